@@ -1,0 +1,1 @@
+"""distflow_lab: multi-controller RL post-training, Jupyter-first."""

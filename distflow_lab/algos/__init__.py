@@ -1,0 +1,1 @@
+"""Advantage estimators, losses and the built-in algorithms."""

@@ -1,0 +1,174 @@
+"""Policy, value, KL and entropy losses for RL post-training (PPO-style clipped objectives).
+
+Token tensors are [B, T] over response tokens with `response_mask` [B, T] (1 = real token).
+Loss functions return a scalar tensor (differentiable) and plain-python-float metrics.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from distflow_lab.algos.advantages import masked_mean
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce a [B, T] loss to a scalar. With m = mask, n_b = sum_t m[b, t]:
+
+    token-mean:          sum_{b,t} L*m / sum_{b,t} m       (every token weighs the same; DAPO)
+    seq-mean-token-mean: (1/B) sum_b [ sum_t L*m / n_b ]   (every sequence weighs the same; GRPO paper)
+    seq-mean-token-sum:  (1/B) sum_b sum_t L*m             (longer sequences weigh more)
+
+    A row with n_b = 0 contributes 0 to seq-mean-token-mean but still counts in B.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss_mat, mask, dim=-1).mean()
+    if mode == "seq-mean-token-sum":
+        return (torch.where(mask.bool(), loss_mat, 0.0) * mask).sum(-1).mean()
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+
+
+def policy_loss_ppo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate with dual clip (arXiv:1707.06347, arXiv:1912.09729).
+
+        r   = exp(log_prob - old_log_prob)
+        L_1 = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        L   = L_1                       if A >= 0
+              min(L_1, -A * clip_ratio_c) if A < 0   (dual clip: caps the loss when r >> 1)
+
+    Metrics (python floats, means over valid tokens):
+      clipfrac       fraction where the clipped branch is strictly larger (was taken)
+      clipfrac_lower fraction with A < 0 where the dual clip bound -A*c engaged
+      approx_kl      k1 estimate of KL(old || new): mean(old_log_prob - log_prob)
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # exp() overflow guard
+    ratio = torch.exp(log_ratio)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+    loss3 = -advantages * clip_ratio_c
+    neg = advantages < 0
+    loss_mat = torch.where(neg, torch.minimum(clipped, loss3), clipped)
+    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
+            "clipfrac_lower": masked_mean(((clipped > loss3) & neg).float(), response_mask).item(),
+            "approx_kl": masked_mean(-log_ratio, response_mask).item(),
+        }
+    return loss, metrics
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token estimators of KL(pi || pi_ref) from sampled-token log-probs (Schulman, "Approximating KL").
+
+    With d = log_prob - ref_log_prob:
+      k1 / kl:          d                               (unbiased, high variance, can be < 0)
+      abs:              |d|
+      mse / k2:         0.5 * d^2
+      k3 / low_var_kl:  exp(-d) + d - 1                  (unbiased, >= 0); -d clamped to [-20, 20]
+                        and the result to [-10, 10] for stability, as verl does
+    """
+    d = log_prob - ref_log_prob
+    if kind in ("k1", "kl"):
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * d.square()
+    if kind in ("k3", "low_var_kl"):
+        x = (-d).clamp(-20.0, 20.0)  # x = ref - logp
+        return (torch.exp(x) - x - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def kl_loss(
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "low_var_kl",
+    agg: str = "token-mean",
+) -> torch.Tensor:
+    """KL to the reference as a loss term (GRPO style): aggregate_loss(kl_penalty(logp, ref), mask, agg)."""
+    return aggregate_loss(kl_penalty(log_prob, ref_log_prob, kind), mask, agg)
+
+
+@torch.no_grad()
+def apply_kl_in_reward(
+    token_rewards: torch.Tensor,
+    log_prob_old: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    kind: str = "k1",
+) -> tuple[torch.Tensor, float]:
+    """KL as a reward penalty (PPO/RLHF style): r'_t = r_t - coef * kl_t * m_t.
+
+    kl_t = kl_penalty(log_prob_old, ref_log_prob, kind) uses the rollout policy's log-probs.
+    mean_kl = mean over sequences of the per-sequence token-mean KL (what an adaptive KL
+    controller consumes). Returns a new tensor; inputs are untouched.
+    """
+    kl = kl_penalty(log_prob_old, ref_log_prob, kind) * mask
+    mean_kl = masked_mean(kl, mask, dim=-1).mean().item()
+    return token_rewards - coef * kl, mean_kl
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] -> [B, T]: H = logsumexp(z) - sum_v softmax(z)_v * z_v (= -sum p log p, no log(0)).
+
+    Computed in float32 on max-shifted logits (H is shift-invariant; the shift keeps the two
+    terms small so their difference does not cancel). Logits of -inf (masked vocab) are
+    allowed: their p * z term is taken as 0, not NaN.
+    """
+    z = logits.float()
+    z = z - z.amax(dim=-1, keepdim=True).detach()
+    p = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (p * torch.where(p > 0, z, 0.0)).sum(-1)
+
+
+def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """Aggregated entropy (a scalar to MAXIMISE): total_loss = pg_loss - entropy_coef * entropy_bonus."""
+    return aggregate_loss(entropy, mask, agg)
+
+
+def value_loss_clipped(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float = 0.5,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, float]:
+    """Clipped value loss: 0.5 * agg( max((v - R)^2, (v_clip - R)^2) ),
+    v_clip = clamp(v, old - c, old + c). Pessimistic: the clip can only raise the loss.
+
+    Returns (loss, clipfrac) with clipfrac = fraction of valid tokens where the clipped term is larger.
+    """
+    v_clip = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    l1 = (values - returns) ** 2
+    l2 = (v_clip - returns) ** 2
+    loss = 0.5 * aggregate_loss(torch.maximum(l1, l2), mask, agg)
+    clipfrac = masked_mean((l2 > l1).float(), mask).item()
+    return loss, clipfrac
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[B, T, V], [B, T] -> [B, T]: log softmax(logits)[labels], in float32.
+
+    Caller aligns positions: logits at t must be the prediction FOR labels[:, t].
+    """
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)

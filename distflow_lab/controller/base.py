@@ -1,0 +1,217 @@
+"""What both controllers share: the step/stage cursor, waiting for workers with
+a timeout, turning remote failures into readable errors, history, shutdown.
+
+The driver keeps only metadata: step reports (timings, counts, metrics). It
+counts the pickled bytes of everything workers send it (`bytes_to_driver`), so
+a test can show that distributed mode moves no tensor payloads through it.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+from collections import deque
+from typing import Any, Callable
+
+import pandas as pd
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from tqdm.auto import tqdm
+
+from ..dag import DAG
+from ..errors import StageError, StageTimeout, WorkerLost
+from ..planner import Plan
+from ..reports import StageReport, StepReport
+from ..telemetry import spans_to_frame
+from .workers import Placement, default_threads, free_port, place_workers
+
+
+class Controller:
+    mode = "base"
+
+    def __init__(self, dag: DAG, config: Any, engines: str | Callable | None = None,
+                 history: int = 1000) -> None:
+        from ..config import SessionConfig
+
+        self.config: SessionConfig = config
+        self.dag = dag
+        self.plan: Plan = dag.plan(config.cluster.world_size)
+        self.engines = engines
+        self.step_index, self.next_stage = 0, 0
+        self.history: deque[StepReport] = deque(maxlen=history)
+        self.metric_rows: list[dict] = []
+        self.bytes_to_driver = 0
+        self._current: list[StageReport] = []
+        self._step_t0 = 0.0
+        self.placement: Placement | None = None
+        if not ray.is_initialized():
+            from ..cluster import connect
+
+            connect()
+        self._start()
+
+    # ---- to be provided by a mode ---------------------------------------------------
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _run_stage(self, step: int, index: int) -> StageReport:
+        raise NotImplementedError
+
+    def _run_whole_step(self, step: int) -> list[StageReport]:
+        return [self._run_stage(step, i) for i in range(len(self.plan.stages))]
+
+    def _end_step(self, step: int) -> float:
+        return 0.0
+
+    # ---- workers ------------------------------------------------------------------------
+    def _place(self) -> Placement:
+        c = self.config.cluster
+        workers, nodes, pg = place_workers(c.world_size, c.cpus_per_worker, c.gpus_per_worker, c.placement)
+        self.placement = Placement(workers, nodes, [], [], [0] * len(workers), pg)
+        return self.placement
+
+    @property
+    def workers(self) -> list:
+        return self.placement.workers if self.placement else []
+
+    def _threads(self) -> int:
+        return self.config.cluster.threads_per_worker or default_threads(self.config.cluster.world_size)
+
+    def _init_torch_distributed(self) -> None:
+        if not self.config.cluster.torch_distributed:
+            return
+        backend = "nccl" if self.config.cluster.gpus_per_worker > 0 else "gloo"
+        port = free_port()
+        self._gather([w.init_process_group.remote("127.0.0.1" if len(set(self.placement.worker_nodes)) == 1
+                                                  else _node_ip(self.placement.worker_nodes[0]), port, backend)
+                      for w in self.workers], step=-1, stage="init_process_group")
+
+    def _gather(self, refs: list, step: int, stage: str, workers: list[int] | None = None) -> list:
+        """Wait for every ref (bounded by the stage timeout); on the first failure
+        abort the step everywhere and raise an error naming stage, worker and step."""
+        workers = workers if workers is not None else list(range(len(refs)))
+        index = {r: i for i, r in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + self.config.cluster.stage_timeout_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(workers[index[r]] for r in pending)
+                self._abort(step, f"stage {stage!r} timed out on workers {late}")
+                raise StageTimeout(f"stage {stage!r} of step {step} did not finish within "
+                                   f"{self.config.cluster.stage_timeout_s:.0f}s on workers {late}",
+                                   step=step, stage=stage, worker=late[0])
+            self._check(ready[0], step, stage, workers[index[ready[0]]])
+        out = ray.get(refs)
+        self.bytes_to_driver += sum(len(pickle.dumps(o)) for o in out)
+        return out
+
+    def _check(self, ref, step: int, stage: str, worker: int) -> None:
+        try:
+            ray.get(ref, timeout=0)
+        except GetTimeoutError:
+            return
+        except RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
+            self._abort(step, f"stage {stage!r} failed on worker {worker}")
+            if isinstance(cause, StageError):
+                raise StageError(cause.summary, step=cause.step, stage=cause.stage, worker=cause.worker,
+                                 remote_traceback=cause.remote_traceback) from None
+            raise StageError(f"stage {stage!r} failed on worker {worker} (step {step}): "
+                             f"{type(cause or e).__name__}: {cause or e}", step=step, stage=stage, worker=worker,
+                             remote_traceback=str(e)) from None
+        except RayActorError as e:
+            self._abort(step, f"worker {worker} died during stage {stage!r}")
+            raise WorkerLost(f"worker {worker} died during stage {stage!r} of step {step}: {e.__class__.__name__}",
+                             step=step, stage=stage, worker=worker, remote_traceback=str(e)) from None
+
+    def _abort(self, step: int, reason: str) -> None:
+        """Unblock workers waiting on this step (buffers fail their waiters)."""
+        self.next_stage = 0
+        self.step_index = step + 1
+
+    # ---- the cursor ---------------------------------------------------------------------
+    def step_stage(self) -> StageReport:
+        """Run the next stage on every worker; return what happened."""
+        if self.next_stage == 0:
+            self._current, self._step_t0 = [], time.time()
+        report = self._run_stage(self.step_index, self.next_stage)
+        self._current.append(report)
+        self.next_stage += 1
+        if self.next_stage == len(self.plan.stages):
+            self._finish_step()
+        return report
+
+    def step(self) -> StepReport:
+        """Finish the current step (all of it, or what is left after step_stage calls)."""
+        if self.next_stage == 0:
+            self._current, self._step_t0 = self._run_whole_step_timed()
+            self.next_stage = len(self.plan.stages)
+            return self._finish_step()
+        while self.next_stage:
+            self.step_stage()
+        return self.history[-1]
+
+    def _run_whole_step_timed(self) -> tuple[list[StageReport], float]:
+        t0 = time.time()
+        return self._run_whole_step(self.step_index), t0
+
+    def run(self, steps: int, progress: bool = True) -> list[StepReport]:
+        out = []
+        bar = tqdm(range(steps), desc=f"{self.mode} steps", disable=not progress, leave=False)
+        for _ in bar:
+            out.append(self.step())
+            shown = {k: round(v, 4) for k, v in list(out[-1].metrics.items())[:4]}
+            bar.set_postfix(shown)
+        return out
+
+    def _finish_step(self) -> StepReport:
+        step = self.step_index
+        end_s = self._end_step(step)
+        wall = time.time() - self._step_t0
+        report = StepReport(step, self.mode, self._current, wall, end_s)
+        self.history.append(report)
+        self.metric_rows.append({"step": step, "wall_s": wall, **report.metrics})
+        self.step_index, self.next_stage, self._current = step + 1, 0, []
+        return report
+
+    # ---- results ------------------------------------------------------------------------
+    @property
+    def spans(self) -> pd.DataFrame:
+        frames = [r.spans for r in self.history] + ([s.spans for s in self._current] if self._current else [])
+        return pd.concat(frames, ignore_index=True) if frames else spans_to_frame([])
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        return pd.DataFrame(self.metric_rows)
+
+    def close(self) -> None:
+        if self.placement is None:
+            return
+        try:
+            ray.get([w.close.remote() for w in self.workers], timeout=30)
+        except Exception:
+            pass
+        for a in [*self.placement.workers, *self.placement.buffers]:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(self.placement.pg)
+        except Exception:
+            pass
+        self.placement = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _node_ip(node_id: str) -> str:
+    for n in ray.nodes():
+        if n["NodeID"] == node_id:
+            return n["NodeManagerAddress"]
+    return "127.0.0.1"

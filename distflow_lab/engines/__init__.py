@@ -1,0 +1,1 @@
+"""Model engines: tokenizer and model builders / loaders used by rollout and training."""

@@ -1,0 +1,27 @@
+"""Errors a user sees. Each names what is at fault (stage, worker, step, node, file)."""
+from __future__ import annotations
+
+
+class StageError(RuntimeError):
+    """A stage function raised, returned the wrong thing, or its worker died."""
+
+    def __init__(self, message: str, *, step: int, stage: str, worker: int | None, remote_traceback: str = "") -> None:
+        super().__init__(message + (f"\n\n--- traceback on the worker ---\n{remote_traceback}" if remote_traceback else ""))
+        self.step, self.stage, self.worker = step, stage, worker
+        self.remote_traceback = remote_traceback
+        self.summary = message
+
+    def _repr_html_(self) -> str:  # readable in a notebook, not a wall of Ray internals
+        import html
+
+        return (f"<div style='border-left:4px solid #c0392b;padding:4px 8px'><b>{html.escape(self.summary)}</b>"
+                f"<details><summary>traceback on the worker</summary><pre>{html.escape(self.remote_traceback)}</pre>"
+                "</details></div>")
+
+
+class WorkerLost(StageError):
+    """A DAG worker process died or stopped answering within the stage timeout."""
+
+
+class StageTimeout(StageError):
+    """A stage ran past its timeout on some workers."""

@@ -1,0 +1,1 @@
+"""Synthetic RL tasks written as verl-schema parquet."""

@@ -1,0 +1,1 @@
+"""Figures and widgets. They take a session or DataFrames and never import `lab`."""

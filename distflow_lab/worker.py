@@ -1,0 +1,277 @@
+"""DAG worker (paper §5.2): one per device slot. It binds every stage of the
+plan to its function, owns its engines and its loader shard, and runs the task
+chain. Between stages the batch stays in its local cache (same data-parallel
+layout) or goes through the DataBuffers (layout changes).
+
+The class is plain Python; controllers wrap it with `ray.remote`. In
+centralized mode the same worker runs the same stage functions on chunks the
+driver sends (`run_stage_centralized`).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import ray
+import torch
+
+from .dag import call_stage, resolve_function
+from .data.batch import Batch
+from .data.cache import LocalCache
+from .data.loader import ShardedLoader, make_loader
+from .data.routing import item_lengths, pieces_for_producer  # noqa: F401  (re-exported for stage authors)
+from .errors import StageError
+from .planner import Edge, Plan, Stage
+from .reports import StageResult
+from .telemetry import SpanRecorder
+
+
+@dataclass
+class WorkerSetup:
+    """Everything a worker needs, sent once by the driver."""
+
+    plan: Plan
+    mode: str  # "distributed" | "centralized"
+    seed: int = 0
+    local_cache: bool = True
+    balance: str = "lpt"  # "lpt" | "kk" | "none"
+    buffers: list = field(default_factory=list)  # DataBuffer handles
+    buffer_of_worker: list[int] = field(default_factory=list)
+    config: Any = None  # the run config, visible to stages as ctx.config
+    engines: str | Callable | None = None  # factory(ctx, config) -> dict of engines
+    keep_outputs: bool = True  # keep each stage's output of the latest step (for peek)
+    threads: int = 1
+
+
+@dataclass
+class StageContext:
+    """What a stage function sees besides its batch."""
+
+    step: int
+    stage: Stage
+    worker: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    group_rank: int
+    seed: int
+    node: str
+    config: Any = None
+    engines: dict[str, Any] = field(default_factory=dict)
+    loader: ShardedLoader | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    _rng: torch.Generator | None = None
+
+    @property
+    def rng(self) -> torch.Generator:
+        """Seeded by (seed, step, stage, dp rank): the same rows see the same randomness in both modes."""
+        if self._rng is None:
+            self._rng = torch.Generator().manual_seed(self.seed)
+        return self._rng
+
+    def log(self, **metrics: float) -> None:
+        """Record metrics; the driver averages them over data-parallel ranks."""
+        self.metrics.update({k: float(v) for k, v in metrics.items()})
+
+
+def stage_seed(seed: int, step: int, stage: int, dp_rank: int) -> int:
+    return int(np.random.SeedSequence([seed, step, stage, dp_rank]).generate_state(1)[0])
+
+
+class DAGWorker:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        try:
+            self.node = ray.get_runtime_context().get_node_id()[:8]
+        except Exception:  # not inside Ray (unit tests)
+            self.node = "local"
+        self.rec = SpanRecorder(rank, self.node)
+        self.cache = LocalCache()
+        self.outputs: dict[str, Batch] = {}
+        self.engines: dict[str, Any] = {}
+        self.loader: ShardedLoader | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def setup(self, s: WorkerSetup) -> dict:
+        self.s, self.plan = s, s.plan
+        self.rec.mode = s.mode
+        torch.set_num_threads(max(1, s.threads))
+        self.fns = [resolve_function(st.fn, node=st.id) for st in self.plan.stages]
+        first = self.plan.stages[0]
+        if first.type == "data_load" and s.mode == "distributed":
+            self.loader = make_loader(first.config, first.dp_rank(self.rank), first.dp, s.seed)
+        if s.engines is not None:
+            self.engines = resolve_function(s.engines, node="engines")(self._ctx(-1, first), s.config) or {}
+        gc.collect()
+        gc.freeze()  # start-up objects (torch, Ray) leave the GC's view: later collections stay short
+        return {"rank": self.rank, "node": self.node, "pid": os.getpid(),
+                "loader": self.loader.report.__dict__ if self.loader else None}
+
+    def init_process_group(self, master_addr: str, port: int, backend: str = "gloo") -> bool:
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port),
+                          RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        return True
+
+    def close(self) -> None:
+        self.cache.clear()
+        self.outputs.clear()
+        for e in self.engines.values():
+            if hasattr(e, "close"):
+                e.close()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+    # ---- distributed mode --------------------------------------------------------
+    def run_step(self, step: int) -> list[StageResult]:
+        return [self.run_stage(step, i) for i in range(len(self.plan.stages))]
+
+    def run_stage(self, step: int, index: int) -> StageResult:
+        st = self.plan.stages[index]
+        t0 = time.perf_counter()
+        if index == 0:
+            self.cache.clear()
+            self.outputs.clear()
+        batch, route, hit = self._input(step, st)
+        out, ctx = self._compute(step, st, batch)
+        self._output(step, st, out)
+        return self._result(step, st, batch, out, route, hit, ctx, time.perf_counter() - t0)
+
+    def _input(self, step: int, st: Stage) -> tuple[Batch, str, bool | None]:
+        edge = self.plan.edge_into(st.index)
+        if edge is None:
+            return Batch.empty(), ("loader" if st.type == "data_load" else "none"), None
+        if self._is_local(edge):
+            with self.rec.span(step, st.id, "cache_hit", cache_hit=True) as sp:
+                batch = self.cache.take(edge.name)
+                sp.items = len(batch)
+            return batch, "cache", True
+        return self._fetch(step, edge, st), "buffer", False
+
+    def _is_local(self, edge: Edge) -> bool:
+        return edge.kind == "local" and self.s.local_cache
+
+    def _compute(self, step: int, st: Stage, batch: Batch) -> tuple[Batch, StageContext]:
+        ctx = self._ctx(step, st)
+        with self.rec.span(step, st.id, "compute", items=len(batch)) as sp:
+            try:
+                out = call_stage(self.fns[st.index], batch, ctx)
+            except Exception as e:
+                raise StageError(f"stage {st.id!r} raised {type(e).__name__}: {e} (worker {self.rank}, step {step})",
+                                 step=step, stage=st.id, worker=self.rank,
+                                 remote_traceback=traceback.format_exc()) from None
+            if not isinstance(out, Batch):
+                raise StageError(f"stage {st.id!r} returned {type(out).__name__}, expected a Batch "
+                                 f"(worker {self.rank}, step {step})", step=step, stage=st.id, worker=self.rank)
+            sp.tokens = int(item_lengths(out).sum()) if len(out) else 0
+        if self.s.keep_outputs:
+            self.outputs[st.id] = out
+        return out, ctx
+
+    def _output(self, step: int, st: Stage, out: Batch) -> None:
+        edge = self.plan.edge_out_of(st.index)
+        if edge is None:
+            return
+        if self._is_local(edge):
+            self.cache.put(edge.name, out)
+        elif st.group_rank(self.rank) == 0:  # only tensor-parallel rank 0 writes: no duplicates
+            self._publish(step, edge, st, out)
+
+    def _ctx(self, step: int, st: Stage) -> StageContext:
+        dp_rank = st.dp_rank(self.rank)
+        return StageContext(step, st, self.rank, self.world_size, dp_rank, st.dp, st.group_rank(self.rank),
+                            stage_seed(self.s.seed, step, st.index, dp_rank), self.node, self.s.config,
+                            self.engines, self.loader)
+
+    # ---- the buffer protocol (see data/buffer.py) --------------------------------
+    def _buffer_of(self, worker: int):
+        return self.s.buffers[self.s.buffer_of_worker[worker]]
+
+    def _publish(self, step: int, edge: Edge, st: Stage, out: Batch) -> None:
+        consumer = self.plan.stages[edge.dst]
+        me = st.dp_rank(self.rank)
+        policy = self.s.balance if edge.kind == "redistribute" else "identity"
+        mine = self._buffer_of(self.rank)
+        with self.rec.span(step, st.id, "plan", items=len(out)):
+            lengths = item_lengths(out)
+            calls = [b.report.remote(step, edge.name, me, lengths, st.dp, consumer.dp, policy, b is mine)
+                     for b in self.s.buffers]
+            pieces = ray.get(mine.plan.remote(step, edge.name, me))
+            ray.get(calls)
+        with self.rec.span(step, st.id, "put", items=len(out)) as sp:
+            acks = []
+            for c, rows in enumerate(pieces):
+                piece = out.select(rows)
+                sp.bytes += piece.nbytes
+                ref = ray.put(piece)
+                target = self._buffer_of(c * consumer.group_size)
+                acks.append(target.add_piece.remote(step, edge.name, c, me, [ref], len(rows), st.dp))
+            ray.get(acks)
+
+    def _fetch(self, step: int, edge: Edge, st: Stage) -> Batch:
+        producer = self.plan.stages[edge.src]
+        me = st.dp_rank(self.rank)
+        with self.rec.span(step, st.id, "wait"):
+            refs = ray.get(self._buffer_of(self.rank).get_pieces.remote(
+                step, edge.name, me, producer.dp, st.group_rank(self.rank) == 0))
+        with self.rec.span(step, st.id, "get", cache_hit=False) as sp:
+            batch = Batch.concat(ray.get(refs))
+            sp.items, sp.bytes = len(batch), batch.nbytes
+        return batch
+
+    # ---- centralized mode ----------------------------------------------------------
+    def run_stage_centralized(self, step: int, index: int, chunk: list) -> tuple[list, bool, StageResult]:
+        """Compute on a chunk the driver dispatched; return the output (only the
+        columns the stage changed when rows are unchanged) as an object ref."""
+        st = self.plan.stages[index]
+        t0 = time.perf_counter()
+        with self.rec.span(step, st.id, "dispatch") as sp:
+            batch = ray.get(chunk[0]) if chunk else Batch.empty()
+            sp.items, sp.bytes = len(batch), batch.nbytes
+        out, ctx = self._compute(step, st, batch)
+        delta = len(out) == len(batch) and len(batch) > 0 and len(out.changed_columns(batch)) < len(out.columns)
+        refs: list = []
+        if st.group_rank(self.rank) == 0:
+            with self.rec.span(step, st.id, "collect") as sp:
+                payload = out.pick(out.changed_columns(batch)) if delta else out
+                sp.items, sp.bytes = len(payload), payload.nbytes
+                refs = [ray.put(payload)]
+        result = self._result(step, st, batch, out, "driver" if chunk else "none", None, ctx, time.perf_counter() - t0)
+        return refs, delta, result
+
+    # ---- metadata ----------------------------------------------------------------
+    def _result(self, step: int, st: Stage, batch: Batch, out: Batch, route: str, hit: bool | None,
+                ctx: StageContext, seconds: float) -> StageResult:
+        moved = route in ("buffer", "driver")
+        return StageResult(step, st.index, st.id, self.rank, ctx.dp_rank, ctx.group_rank, len(batch), len(out),
+                           int(item_lengths(out).sum()) if len(out) else 0, batch.nbytes if moved else 0,
+                           out.nbytes, route, hit, dict(ctx.metrics), self.rec.take(), seconds)
+
+    def peek(self, stage_id: str, n: int = 4, columns: list[str] | None = None) -> Batch | None:
+        """The first n rows of a stage's latest output (only these travel to the driver)."""
+        out = self.outputs.get(stage_id)
+        if out is None:
+            return None
+        small = out.select(np.arange(min(n, len(out))))
+        return small.pick(columns) if columns else small
+
+    def memory(self) -> dict:
+        import psutil
+
+        return {"rank": self.rank, "rss": psutil.Process().memory_info().rss}
+
+    def ping(self) -> int:
+        return self.rank

@@ -1,0 +1,124 @@
+"""verl parquet schema, GSM8K conversion, synthetic arithmetic task."""
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pyarrow as pa
+import pytest
+
+from distflow_lab.data.gsm8k import convert_gsm8k, default_gsm8k_dir
+from distflow_lab.data.schema import REQUIRED_COLUMNS, DatasetError, read_rows, validate_table, write_parquet
+from distflow_lab.rewards import exact_match_reward
+from distflow_lab.tasks.arithmetic import evaluate, make_arithmetic_rows, write_arithmetic_parquet
+
+GSM8K = default_gsm8k_dir()
+needs_gsm8k = pytest.mark.skipif(not (GSM8K / "train.jsonl").exists(), reason=f"no GSM8K at {GSM8K}")
+
+
+def _row(**over):
+    row = {
+        "data_source": "distflow/arithmetic",
+        "prompt": [{"role": "user", "content": "1+1="}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "extra_info": {"split": "train", "index": 0},
+    }
+    row.update(over)
+    return row
+
+
+def test_missing_column_names_file_and_column():
+    table = pa.Table.from_pylist([{k: v for k, v in _row().items() if k != "reward_model"}])
+    with pytest.raises(DatasetError, match=r"data/x\.parquet.*missing.*reward_model"):
+        validate_table(table, "data/x.parquet")
+    assert set(REQUIRED_COLUMNS) == set(_row())
+
+
+def test_row_level_defects_name_row(tmp_path):
+    path = tmp_path / "bad.parquet"
+    with pytest.raises(DatasetError, match=r"bad\.parquet.*row 1.*prompt"):
+        write_parquet([_row(), _row(prompt=[])], path)
+    rows = [_row(), _row(), _row(reward_model={"style": "rule", "ground_truth": None})]
+    with pytest.raises(DatasetError, match=r"bad\.parquet.*row 2.*ground_truth"):
+        write_parquet(rows, path)
+    assert not path.exists()
+
+
+def test_write_read_round_trip(tmp_path):
+    rows = [_row(extra_info={"split": "train", "index": i}) for i in range(5)]
+    path = write_parquet(rows, tmp_path / "sub" / "ok.parquet", row_group_size=2)
+    assert read_rows(path) == rows
+
+
+def test_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(DatasetError, match=r"nothere\.parquet.*does not exist"):
+        read_rows(tmp_path / "nothere.parquet")
+    bad = tmp_path / "corrupt.parquet"
+    bad.write_bytes(b"PAR1 this is not really parquet")
+    with pytest.raises(DatasetError, match=r"corrupt\.parquet.*parquet"):
+        read_rows(bad)
+
+
+@needs_gsm8k
+def test_convert_real_gsm8k(tmp_path):
+    n = convert_gsm8k(GSM8K / "train.jsonl", tmp_path / "train.parquet")
+    assert n == 7473
+    rows = read_rows(tmp_path / "train.parquet")
+    assert len(rows) == 7473
+    first = rows[0]
+    assert first["data_source"] == "openai/gsm8k" and first["ability"] == "math"
+    assert first["reward_model"] == {"style": "rule", "ground_truth": "72"}
+    assert first["prompt"][0]["role"] == "user"
+    assert first["prompt"][0]["content"].startswith("Natalia sold clips")
+    assert first["prompt"][0]["content"].endswith('output the final answer after "####".')
+    assert first["extra_info"]["split"] == "train" and first["extra_info"]["index"] == 0
+    assert first["extra_info"]["answer"].endswith("#### 72")
+    assert all("," not in r["reward_model"]["ground_truth"] for r in rows)
+    assert convert_gsm8k(GSM8K / "test.jsonl", tmp_path / "test.parquet", limit=10) == 10
+    assert read_rows(tmp_path / "test.parquet")[0]["extra_info"]["split"] == "test"
+
+
+def test_gsm8k_commas_and_malformed_lines(tmp_path):
+    good = {"question": "Q?", "answer": "work\n#### 1,234"}
+    src = tmp_path / "mini.jsonl"
+    src.write_text(json.dumps(good) + "\n\n" + json.dumps(good) + "\n")
+    assert convert_gsm8k(src, tmp_path / "mini.parquet", split="train") == 2
+    assert read_rows(tmp_path / "mini.parquet")[1]["reward_model"]["ground_truth"] == "1234"
+    cases = {
+        "{not json": r"bad\.jsonl:2: invalid JSON",
+        json.dumps({"question": "Q?"}): r"bad\.jsonl:2: missing.*answer",
+        json.dumps({"question": "Q?", "answer": "no final"}): r"bad\.jsonl:2:.*####",
+    }
+    for line, pattern in cases.items():
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps(good) + "\n" + line + "\n")
+        with pytest.raises(DatasetError, match=pattern):
+            convert_gsm8k(bad, tmp_path / "bad.parquet")
+
+
+def test_default_gsm8k_dir_env(monkeypatch, tmp_path):
+    assert default_gsm8k_dir().parts[-3:] == ("shared", "datasets", "gsm8k")
+    monkeypatch.setenv("DISTFLOW_GSM8K_DIR", str(tmp_path))
+    assert default_gsm8k_dir() == tmp_path.resolve()
+
+
+def test_arithmetic_deterministic_and_correct(tmp_path):
+    a = make_arithmetic_rows(50, seed=3)
+    assert a == make_arithmetic_rows(50, seed=3)
+    assert a != make_arithmetic_rows(50, seed=4)
+    for r in a:
+        expr = r["prompt"][0]["content"]
+        assert expr.endswith("=") and len(expr) == 4  # "d+d="
+        x, y = expr[:-1].split("+")
+        assert r["reward_model"]["ground_truth"] == str(int(x) + int(y))
+        assert exact_match_reward(r["reward_model"]["ground_truth"] + "<eos>", r["reward_model"]["ground_truth"]) == 1.0
+    hard = make_arithmetic_rows(200, seed=0, max_operand=99, ops=("+", "-", "*"), num_terms=3, allow_negative=False)
+    for r in hard:
+        expr = r["prompt"][0]["content"][:-1]
+        assert int(r["reward_model"]["ground_truth"]) == eval(expr) >= 0  # test-only eval of our own digits/ops
+    assert evaluate([2, 3, 4], ["+", "*"]) == 14 and evaluate([9, 2, 3], ["-", "-"]) == 4
+    path = write_arithmetic_parquet(tmp_path / "arith.parquet", 20, seed=1, max_operand=5)
+    assert read_rows(path) == make_arithmetic_rows(20, seed=1, max_operand=5)
+    with pytest.raises(ValueError, match="ops"):
+        make_arithmetic_rows(1, seed=0, ops=("/",))
