@@ -11,12 +11,19 @@ class StageError(RuntimeError):
         self.remote_traceback = remote_traceback
         self.summary = message
 
+    def __reduce__(self):  # keyword-only fields: rebuild explicitly when crossing processes
+        return (_rebuild, (type(self), self.summary, self.step, self.stage, self.worker, self.remote_traceback))
+
     def _repr_html_(self) -> str:  # readable in a notebook, not a wall of Ray internals
         import html
 
         return (f"<div style='border-left:4px solid #c0392b;padding:4px 8px'><b>{html.escape(self.summary)}</b>"
                 f"<details><summary>traceback on the worker</summary><pre>{html.escape(self.remote_traceback)}</pre>"
                 "</details></div>")
+
+
+def _rebuild(cls, summary, step, stage, worker, tb):
+    return cls(summary, step=step, stage=stage, worker=worker, remote_traceback=tb)
 
 
 class WorkerLost(StageError):

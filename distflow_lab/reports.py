@@ -71,7 +71,7 @@ class StageReport:
             return pd.DataFrame()
         t = df.pivot_table(index="worker", columns="phase", values="seconds", aggfunc="sum", fill_value=0.0)
         info = pd.DataFrame([{
-            "worker": r.worker, "dp_rank": r.dp_rank, "route_in": r.route_in, "cache_hit": r.cache_hit,
+            "worker": r.worker, "dp_rank": r.dp_rank, "route_in": r.route_in, "hit": r.cache_hit,
             "items_in": r.items_in, "items_out": r.items_out, "tokens_out": r.tokens_out,
             "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
         } for r in self.results]).set_index("worker")

@@ -24,7 +24,7 @@ from .dag import call_stage, resolve_function
 from .data.batch import Batch
 from .data.cache import LocalCache
 from .data.loader import ShardedLoader, make_loader
-from .data.routing import item_lengths, pieces_for_producer  # noqa: F401  (re-exported for stage authors)
+from .data.routing import item_lengths
 from .errors import StageError
 from .planner import Edge, Plan, Stage
 from .reports import StageResult
@@ -213,22 +213,31 @@ class DAGWorker:
             ray.get(calls)
         with self.rec.span(step, st.id, "put", items=len(out)) as sp:
             acks = []
-            for c, rows in enumerate(pieces):
-                piece = out.select(rows)
+            for b, consumers in self._consumers_by_buffer(consumer).items():
+                rows = [pieces[c] for c in consumers]
+                bounds = np.cumsum([0, *map(len, rows)])
+                piece = out.select(np.concatenate(rows))  # one gather, one put per destination node
                 sp.bytes += piece.nbytes
-                ref = ray.put(piece)
-                target = self._buffer_of(c * consumer.group_size)
-                acks.append(target.add_piece.remote(step, edge.name, c, me, [ref], len(rows), st.dp))
+                slices = {c: (int(bounds[i]), int(bounds[i + 1])) for i, c in enumerate(consumers)}
+                acks.append(self.s.buffers[b].add_piece.remote(step, edge.name, me, [ray.put(piece)], slices, st.dp))
             ray.get(acks)
+
+    def _consumers_by_buffer(self, consumer: Stage) -> dict[int, list[int]]:
+        """Consumer dp ranks grouped by the buffer of their node (group rank 0's worker)."""
+        out: dict[int, list[int]] = {}
+        for c in range(consumer.dp):
+            out.setdefault(self.s.buffer_of_worker[c * consumer.group_size], []).append(c)
+        return out
 
     def _fetch(self, step: int, edge: Edge, st: Stage) -> Batch:
         producer = self.plan.stages[edge.src]
         me = st.dp_rank(self.rank)
         with self.rec.span(step, st.id, "wait"):
-            refs = ray.get(self._buffer_of(self.rank).get_pieces.remote(
+            pieces = ray.get(self._buffer_of(self.rank).get_pieces.remote(
                 step, edge.name, me, producer.dp, st.group_rank(self.rank) == 0))
         with self.rec.span(step, st.id, "get", cache_hit=False) as sp:
-            batch = Batch.concat(ray.get(refs))
+            objs = ray.get([ref for ref, _, _ in pieces])
+            batch = Batch.concat([o.select(slice(a, b)) for o, (_, a, b) in zip(objs, pieces)])
             sp.items, sp.bytes = len(batch), batch.nbytes
         return batch
 

@@ -173,6 +173,16 @@ class Controller:
         self.step_index, self.next_stage, self._current = step + 1, 0, []
         return report
 
+    # ---- inspection ---------------------------------------------------------------------
+    def peek(self, stage: str, worker: int = 0, n: int = 4, columns: list[str] | None = None):
+        """The first `n` rows of `stage`'s latest output on `worker` (only those rows travel)."""
+        self.plan.stage(stage)
+        out = ray.get(self.workers[worker].peek.remote(stage, n, columns))
+        if out is None:
+            raise KeyError(f"worker {worker} holds no output of stage {stage!r} yet (run it first; "
+                           "keep_outputs must be on)")
+        return out
+
     # ---- results ------------------------------------------------------------------------
     @property
     def spans(self) -> pd.DataFrame:

@@ -9,10 +9,13 @@ the producer's object store to the consumer:
 2. `plan` waits for all producers' lengths, balances items over the consumers
    (constrained LPT by default) and tells each producer which of its rows go
    to which consumer;
-3. the producer `ray.put`s one piece per consumer and registers the reference
-   with the consumer's node buffer (`add_piece`);
-4. the consumer gets its piece references (`get_pieces`) and fetches exactly
-   its items.
+3. the producer `ray.put`s one object per destination node (the rows of all
+   that node's consumers, grouped by consumer) and registers it with that
+   node's buffer (`add_piece`) — so a node pulls exactly the rows its workers
+   need, once, and a producer makes one put per node, not one per consumer;
+4. the consumer gets its (reference, row range) from every producer
+   (`get_pieces`), reads its contiguous slice of each object (a zero-copy view
+   on its node) and concatenates them.
 
 Every item is counted in (reported, pieces added) and out (pieces fetched by
 group rank 0): `ledger()` shows nothing lost and nothing duplicated.
@@ -41,7 +44,7 @@ class _Edge:
     lengths: dict[int, np.ndarray] = field(default_factory=dict)
     plan_ready: asyncio.Event = field(default_factory=asyncio.Event)
     pieces_for_producer: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    pieces: dict[int, dict[int, Any]] = field(default_factory=dict)  # consumer -> producer -> (ref, n)
+    pieces: dict[int, dict[int, Any]] = field(default_factory=dict)  # consumer -> producer -> (ref, start, stop)
     piece_ready: dict[int, asyncio.Event] = field(default_factory=dict)
 
 
@@ -122,22 +125,25 @@ class DataBuffer:
                                               f"(have producers {sorted(e.lengths)})")
         return e.pieces_for_producer[producer]
 
-    async def add_piece(self, step: int, edge: str, consumer: int, producer: int, ref: list, n_items: int,
-                  n_producers: int) -> None:
+    async def add_piece(self, step: int, edge: str, producer: int, ref: list, slices: dict[int, tuple[int, int]],
+                        n_producers: int) -> None:
+        """One object from `producer` holding the rows of every consumer on this
+        node; consumer c's rows are the contiguous `slices[c]` = (start, stop)."""
         e = self._edge(step, edge)
-        got = e.pieces.setdefault(consumer, {})
-        if producer in got:
-            raise BufferError(f"step {step} edge {edge}: producer {producer} sent consumer {consumer} a piece twice")
-        got[producer] = (ref[0], n_items)
         c = self._count(step, edge)
-        c.items_in += n_items
         c.pieces_in += 1
-        if len(got) == n_producers:
-            e.piece_ready.setdefault(consumer, asyncio.Event()).set()
+        for consumer, (start, stop) in slices.items():
+            got = e.pieces.setdefault(consumer, {})
+            if producer in got:
+                raise BufferError(f"step {step} edge {edge}: producer {producer} sent consumer {consumer} rows twice")
+            got[producer] = (ref[0], start, stop)
+            c.items_in += stop - start
+            if len(got) == n_producers:
+                e.piece_ready.setdefault(consumer, asyncio.Event()).set()
 
     async def get_pieces(self, step: int, edge: str, consumer: int, n_producers: int,
-                         count_as_out: bool) -> list:
-        """References to the pieces for `consumer`, in producer order (one per producer)."""
+                         count_as_out: bool) -> list[tuple]:
+        """(ref, start, stop) of the consumer's rows from each producer, in producer order."""
         e = self._edge(step, edge)
         ready = e.piece_ready.setdefault(consumer, asyncio.Event())
         await self._wait(ready, step, f"pieces for consumer {consumer} on step {step} edge {edge} "
@@ -146,8 +152,8 @@ class DataBuffer:
         if count_as_out:
             c = self._count(step, edge)
             c.pieces_out += len(got)
-            c.items_out += sum(n for _, n in got)
-        return [ref for ref, _ in got]
+            c.items_out += sum(stop - start for _, start, stop in got)
+        return got
 
     # ---- step lifecycle --------------------------------------------------------
     async def end_step(self, step: int) -> float:

@@ -1,0 +1,185 @@
+"""Data-plane benchmark: the synthetic GRPO DAG in distributed and centralized
+mode on the same workers, for several worker counts and context lengths.
+
+Per step, data-plane seconds = step wall time - the compute critical path
+(sum over stages of the slowest worker's compute). Both modes are measured the
+same way, in one run, interleaved per configuration; the machine's memcpy
+bandwidth is measured in the same run so numbers from different machines can
+be read as ratios.
+
+    distflow-lab bench dataplane --workers 2,4,8 --context 1024,4096,8192 --batch 64 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from .. import controller
+from ..reports import StepReport
+from ..synthetic import synthetic_grpo
+from .common import int_list, memcpy_gbps, print_table, summarize, write_json
+
+
+def compute_critical_path(step: StepReport) -> float:
+    total = 0.0
+    for st in step.stages:
+        per_worker = [sum(s.seconds for s in r.spans if s.phase == "compute") for r in st.results]
+        total += max(per_worker, default=0.0)
+    return total
+
+
+def bytes_moved(step: StepReport) -> int:
+    spans = step.spans
+    if not len(spans):
+        return 0
+    moved = spans[(spans.phase == "put") | ((spans.worker == -1) & spans.phase.isin(["dispatch", "collect"]))]
+    return int(moved["bytes"].sum())
+
+
+def stage_breakdown(step: StepReport) -> pd.DataFrame:
+    """Paper Table 1 for one step: per stage, the critical-path seconds of each
+    phase (max over workers of a worker's time in that phase; the driver's
+    spans count as they are)."""
+    df = step.spans
+    if not len(df):
+        return pd.DataFrame()
+    per = df.groupby(["stage", "worker", "phase"], as_index=False)["seconds"].sum()
+    crit = per.groupby(["stage", "phase"])["seconds"].max().unstack(fill_value=0.0)
+    order = [s.stage_id for s in step.stages]
+    return crit.reindex([s for s in order if s in crit.index])
+
+
+def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, **options: Any) -> list[dict]:
+    """Run `warmup + steps` steps of `dag` in one session; one record per measured step."""
+    s = controller.create(dag, world_size=world_size, mode=mode, keep_outputs=False, **options)
+    try:
+        for _ in range(warmup):
+            s.step()
+        out = []
+        for _ in range(steps):
+            rep = s.step()
+            compute = compute_critical_path(rep)
+            out.append({"mode": mode, "step": rep.step, "wall_s": rep.wall_seconds, "compute_s": compute,
+                        "data_plane_s": max(rep.wall_seconds - compute, 0.0), "bytes_moved": bytes_moved(rep),
+                        "tokens": sum(r.tokens_out for st in rep.stages[-1:] for r in st.results if r.group_rank == 0),
+                        "breakdown": stage_breakdown(rep)})
+        return out
+    finally:
+        s.close()
+
+
+def control_plane_overhead(world_size: int, stages: int = 6, steps: int = 5) -> dict:
+    """Per-stage round trip of "run stage s" with trivial stages and tiny data:
+    the driver's control cost, in ms per stage (and per stage per worker)."""
+    from ..dag import DAG
+
+    d = DAG("noop").node("s0", "distflow_lab.bench.dataplane:noop_stage")
+    for i in range(1, stages):
+        d.node(f"s{i}", "distflow_lab.bench.dataplane:noop_stage", deps=[f"s{i - 1}"])
+    s = controller.create(d, world_size=world_size, keep_outputs=False)
+    try:
+        s.step()
+        times = []
+        for _ in range(steps * stages):
+            t0 = time.perf_counter()
+            s.step_stage()
+            times.append(time.perf_counter() - t0)
+    finally:
+        s.close()
+    ms = summarize(np.asarray(times) * 1e3)
+    return {"workers": world_size, "ms_per_stage_median": ms["median"], "ms_per_stage_max": ms["max"],
+            "ms_per_stage_per_worker": ms["median"] / world_size}
+
+
+def noop_stage(batch, ctx):
+    return batch
+
+
+def start_cluster(nodes: int, max_workers: int):
+    """A local Ray cluster: one node, or `nodes` simulated nodes (separate raylets
+    and object stores, so cross-node reads are real copies)."""
+    from ..cluster import connect
+
+    if nodes <= 1:
+        connect(num_cpus=max_workers * 2)
+        return None
+    from ray.cluster_utils import Cluster
+
+    per_node = max(1, -(-max_workers // nodes))  # ceil: workers spread over every node
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": per_node, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        c.add_node(num_cpus=per_node)
+    c.wait_for_nodes()
+    connect(address=c.address, log_to_driver=False)
+    return c
+
+
+def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int = 5, n: int = 4,
+        rollout_tp: int = 2, modes: tuple[str, ...] = ("distributed", "centralized"),
+        json_path: str | None = None, control: bool = True, nodes: int = 1) -> list[dict]:
+    sim_cluster = start_cluster(nodes, max(workers))
+    bw = memcpy_gbps()
+    records: list[dict] = []
+    configs = [(w, c) for w in workers for c in contexts]
+    for w, ctx_len in tqdm(configs, desc="dataplane configs"):
+        tp = rollout_tp if w % rollout_tp == 0 and w > rollout_tp else 1
+        dag = synthetic_grpo(batch_size=batch // n, n=n, max_prompt_len=ctx_len // 2, max_response_len=ctx_len // 2,
+                             rollout_tp=tp)
+        by_mode = {m: measure(dag, m, w, repeats) for m in modes}
+        for m, steps in by_mode.items():
+            dp = summarize(r["data_plane_s"] for r in steps)
+            records.append({
+                "mode": m, "workers": w, "nodes": nodes, "context": ctx_len, "batch": batch, "rollout_tp": tp,
+                "data_plane_s_median": dp["median"], "data_plane_s_min": dp["min"], "data_plane_s_max": dp["max"],
+                "step_s_median": summarize(r["wall_s"] for r in steps)["median"],
+                "compute_s_median": summarize(r["compute_s"] for r in steps)["median"],
+                "bytes_moved": int(np.median([r["bytes_moved"] for r in steps])), "memcpy_gbps": bw,
+                "repeats": len(steps),
+                "breakdown": steps[len(steps) // 2]["breakdown"].round(5).reset_index().to_dict("records"),
+            })
+        if {"distributed", "centralized"} <= set(by_mode):
+            d = np.median([r["data_plane_s"] for r in by_mode["distributed"]])
+            c = np.median([r["data_plane_s"] for r in by_mode["centralized"]])
+            for r in records[-len(by_mode):]:
+                r["dist_over_central"] = float(d / c) if c > 0 else None
+    cols = ["mode", "workers", "nodes", "context", "batch", "data_plane_s_median", "data_plane_s_min", "data_plane_s_max",
+            "bytes_moved", "dist_over_central", "step_s_median", "memcpy_gbps"]
+    print_table(records, cols, title=f"data plane, seconds per step (median/min/max of {repeats} steps)")
+    if control:
+        ctrl = [control_plane_overhead(w) for w in workers]
+        print_table(ctrl, title="control plane: driver round trip per stage (trivial stages)")
+        for r in records:
+            r["control_plane_ms_per_stage"] = next(c["ms_per_stage_median"] for c in ctrl if c["workers"] == r["workers"])
+    write_json(records, json_path)
+    if sim_cluster is not None:
+        from ..cluster import shutdown
+
+        shutdown()
+        sim_cluster.shutdown()
+    return records
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="distflow-lab bench dataplane", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int_list, default=[2, 4, 8])
+    ap.add_argument("--context", type=int_list, default=[1024, 4096, 8192])
+    ap.add_argument("--batch", type=int, default=64, help="responses per step (prompts x n)")
+    ap.add_argument("--n", type=int, default=4, help="responses per prompt")
+    ap.add_argument("--repeats", type=int, default=5, help="measured steps per mode and configuration")
+    ap.add_argument("--rollout-tp", type=int, default=2)
+    ap.add_argument("--nodes", type=int, default=1, help="simulate this many Ray nodes (ray.cluster_utils.Cluster)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-control", action="store_true", help="skip the control-plane overhead measurement")
+    a = ap.parse_args(argv)
+    return run(a.workers, a.context, a.batch, a.repeats, a.n, a.rollout_tp, json_path=a.json, control=not a.no_control,
+               nodes=a.nodes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Rollout (HF), training engine (plain and FSDP2 over 2 gloo ranks), critic. CPU, offline, no Ray."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import contextlib
+import copy
+import datetime
+import math
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from distflow_lab.algos.losses import aggregate_loss
+from distflow_lab.engines.critic import build_critic_from
+from distflow_lab.engines.fsdp import OptimConfig, TrainEngine, micro_batches, sft_loss_fn
+from distflow_lab.engines.model import build_tiny_qwen2, save_model_dir
+from distflow_lab.engines.rollout_hf import (HFRollout, RolloutConfig, assemble_columns, build_sft_batch,
+                                            decode_responses, make_rollout, tokenize_prompts)
+from distflow_lab.engines.tokenizer import build_char_tokenizer
+
+P, R = 10, 12
+EOS, PAD = 2, 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # 2 shared cores: multi-threaded BLAS on tiny matmuls is ~100x slower under contention.
+    n, _ = torch.get_num_threads(), torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return build_tiny_qwen2(tok, seed=0)
+
+
+@contextlib.contextmanager
+def eos_bias(model, value: float):
+    """Add `value` to the eos logit (a forward hook on lm_head) so p(eos) is controllable."""
+    bias = torch.zeros(model.config.vocab_size)
+    bias[EOS] = value
+    hook = model.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
+def synthetic_batch(B: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random verl-layout batch with varied prompt/response lengths, plus PPO columns."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, responses = torch.full((B, P), PAD), torch.full((B, R), PAD)
+    pmask, rmask = torch.zeros((B, P), dtype=torch.long), torch.zeros((B, R), dtype=torch.long)
+    for i in range(B):
+        lp = int(torch.randint(2, P + 1, (1,), generator=g))
+        lr = int(torch.randint(1, R + 1, (1,), generator=g))
+        prompts[i, P - lp:], pmask[i, P - lp:] = torch.randint(4, 100, (lp,), generator=g), 1
+        responses[i, :lr], rmask[i, :lr] = torch.randint(4, 100, (lr,), generator=g), 1
+        if lr < R:
+            responses[i, lr - 1] = EOS
+    cols = assemble_columns(prompts, pmask, responses, rmask)
+    cols["old_log_probs"] = (-5.5 + 0.3 * torch.randn(B, R, generator=g)) * rmask
+    cols["advantages"] = torch.randn(B, 1, generator=g).expand(B, R) * rmask
+    return cols
+
+
+def ppo_loss(mb, log_probs, entropy):
+    """Per-token clipped PPO loss (a matrix, not aggregated) + data-independent metric keys."""
+    mask = mb["response_mask"]
+    ratio = torch.exp(log_probs - mb["old_log_probs"])
+    adv = mb["advantages"]
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    m = mask.bool()
+    return loss, mask, {"ratio": ratio.detach()[m].mean().item() if m.any() else 0.0}
+
+
+def subset(batch, idx):
+    return {k: v[idx] for k, v in batch.items()}
+
+
+def fwd_cols(b):
+    return [b[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")]
+
+
+# ---------------------------------------------------------------- tokenize / rollout
+
+
+def test_tokenize_prompts_left_pads_and_truncates_tail(tok):
+    ids, mask, n_trunc = tokenize_prompts(tok, ["ab", [{"role": "user", "content": "3+4="}], "0123456789xyz"], 8)
+    assert ids.shape == mask.shape == (3, 8) and n_trunc == 1
+    assert tok.decode(ids[0, -2:].tolist()) == "ab" and mask[0].tolist() == [0] * 6 + [1, 1]
+    assert (ids[0, :6] == tok.pad_token_id).all()
+    assert tok.decode(ids[1][mask[1].bool()].tolist()) == "3+4="
+    assert tok.decode(ids[2].tolist()) == "456789xyz"[-8:] and mask[2].all()  # kept the LAST 8 tokens
+    with pytest.raises(ValueError):
+        tokenize_prompts(tok, [""], 8)
+
+
+def test_hf_rollout_columns_groups_eos_and_seed(tok, model):
+    ids, mask, _ = tokenize_prompts(tok, ["3+4=", "12*3=", "hello"], P)
+    cfg = RolloutConfig(n=4, max_prompt_len=P, max_response_len=R, micro_batch=5)
+    with eos_bias(model, 3.8):  # p(eos) ~ 0.15 per step: a mix of lengths
+        ro = HFRollout(model, tok, cfg)
+        out, again, other = (ro.generate(ids, mask, seed=s) for s in (7, 7, 8))
+    shapes = {"prompts": (B := 12, P), "responses": (B, R), "input_ids": (B, P + R), "attention_mask": (B, P + R),
+              "position_ids": (B, P + R), "response_mask": (B, R)}
+    assert {k: tuple(v.shape) for k, v in out.items()} == shapes
+    assert all(v.dtype == torch.long for v in out.values())
+    assert all(torch.equal(out[k], again[k]) for k in out)  # same seed -> same sample
+    assert not torch.equal(out["responses"], other["responses"])
+    # n responses of prompt i are rows i*n .. i*n+n-1
+    assert torch.equal(out["prompts"], ids.repeat_interleave(4, 0))
+    resp, rm = out["responses"], out["response_mask"]
+    assert torch.equal(out["input_ids"], torch.cat([out["prompts"], resp], -1))
+    assert torch.equal(out["attention_mask"], torch.cat([mask.repeat_interleave(4, 0), rm], -1))
+    assert torch.equal(out["position_ids"], (out["attention_mask"].cumsum(-1) - 1).clamp(min=0))
+    lengths = rm.sum(-1)
+    assert (rm[:, :-1] >= rm[:, 1:]).all() and (lengths >= 1).all()  # prefix masks
+    n_eos = 0
+    for row, n in zip(resp, lengths.tolist()):
+        eos_at = (row == EOS).nonzero().flatten().tolist()
+        if n < R:
+            assert row[n - 1] == EOS and eos_at[0] == n - 1  # mask includes the FIRST eos
+        else:
+            assert not eos_at or eos_at[0] == R - 1
+        n_eos += bool(eos_at)
+        assert (row[n:] == PAD).all()
+    assert 0 < n_eos < B and len(set(lengths.tolist())) > 2
+    assert [type(t) for t in decode_responses(tok, resp, rm)] == [str] * B
+
+
+def test_hf_rollout_immediate_eos(tok, model):
+    ids, mask, _ = tokenize_prompts(tok, ["3+4=", "x"], P)
+    with eos_bias(model, 50.0):
+        out = HFRollout(model, tok, RolloutConfig(n=2, max_prompt_len=P, max_response_len=R)).generate(ids, mask, 0)
+    assert (out["responses"][:, 0] == EOS).all() and (out["responses"][:, 1:] == PAD).all()
+    assert out["response_mask"].tolist() == [[1] + [0] * (R - 1)] * 4
+    assert decode_responses(tok, out["responses"], out["response_mask"]) == [""] * 4
+
+
+def test_forward_log_probs_match_manual_and_rollout(tok, model):
+    model = copy.deepcopy(model)  # the frozen engine below flips requires_grad on it
+    ids, mask, _ = tokenize_prompts(tok, ["3+4=", "12*3=", "a much longer prompt"], P)
+    with eos_bias(model, 3.0):
+        ro = HFRollout(model, tok, RolloutConfig(n=3, max_prompt_len=P, max_response_len=R, return_log_probs=True))
+        b = ro.generate(ids, mask, seed=1)
+        eng = TrainEngine(model, None, micro_token_budget=40, device="cpu")  # shares the module: colocated
+        lp, ent = eng.forward_log_probs(*fwd_cols(b), with_entropy=True)
+        with torch.no_grad():
+            logits = model(**{k: b[k] for k in ("input_ids", "attention_mask", "position_ids")}).logits[:, P - 1 : -1]
+    logp_all = torch.log_softmax(logits.float(), -1)
+    manual = logp_all.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1) * b["response_mask"]
+    manual_ent = -(logp_all.exp() * logp_all).sum(-1) * b["response_mask"]
+    assert lp.shape == ent.shape == (9, R) and lp.dtype == torch.float32
+    assert torch.allclose(lp, manual, atol=1e-5)
+    assert torch.allclose(ent, manual_ent, atol=1e-4)
+    assert torch.allclose(lp, b["rollout_log_probs"], atol=1e-4)  # trainer sees the sampled distribution
+    assert not model.training and all(p.requires_grad is False for p in model.parameters())
+
+
+def test_micro_batches_cover_rows_within_budget():
+    g = torch.Generator().manual_seed(0)
+    am = (torch.rand(37, 30, generator=g) < torch.rand(37, 1, generator=g)).long()
+    am[5] = 1  # one row (30 tokens) longer than the budget
+    for budget in (1, 20, 29, 10**6):
+        mbs = micro_batches(am, budget)
+        assert torch.equal(torch.cat(mbs), torch.arange(37))  # each row once, in order
+        assert all(len(idx) == 1 or am[idx].sum() <= budget for idx in mbs)
+    assert len(micro_batches(am, 10**6)) == 1 and len(micro_batches(am, 1)) == 37
+
+
+# ---------------------------------------------------------------- training invariance
+
+
+def grads_of(eng, batch, mode):
+    eng.optimizer.zero_grad(set_to_none=True)
+    metrics = eng.compute_grads(batch, ppo_loss, mode)
+    return eng.gathered_grads(), metrics
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_grads_independent_of_micro_batching_and_order(model, mode):
+    batch = synthetic_batch(16, seed=3)
+    eng = TrainEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), micro_token_budget=10**6, device="cpu")
+    g_one, m_one = grads_of(eng, batch, mode)
+    eng.budget = 25
+    g_many, m_many = grads_of(eng, batch, mode)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(1))
+    g_perm, m_perm = grads_of(eng, subset(batch, perm), mode)
+    assert m_one["n_micro"] == 1 and m_many["n_micro"] > 5
+    assert max_diff(g_one, g_many) < 1e-6 and max_diff(g_one, g_perm) < 1e-6
+    for m in (m_many, m_perm):
+        assert m["loss"] == pytest.approx(m_one["loss"], abs=1e-6)
+        assert m["ratio"] == pytest.approx(m_one["ratio"], abs=1e-6)
+    # ... and equal to a direct full-batch computation with algos.losses.aggregate_loss
+    ref = copy.deepcopy(model).train().requires_grad_(True)
+    logits = ref(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}).logits[:, P - 1 : -1]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    (loss := aggregate_loss(*ppo_loss(batch, lp, None)[:2], mode)).backward()
+    g_ref = {n: p.grad for n, p in ref.named_parameters()}
+    assert max_diff(g_one, g_ref) < 1e-6 and m_one["loss"] == pytest.approx(loss.item(), abs=1e-6)
+    # one AdamW step: same parameters whatever the micro-batching
+    params = []
+    for budget in (10**6, 25):
+        e = TrainEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), micro_token_budget=budget, device="cpu")
+        metrics = e.train_step(batch, ppo_loss, mode)
+        assert math.isfinite(metrics["grad_norm"]) and metrics["skipped"] == 0
+        params.append(e.full_state_dict())
+    assert max_diff(*params) < 1e-5  # Adam step 1 ~ lr*sign(g): float noise in tiny grads shows at ~1e-6
+    assert max_diff(params[0], model.state_dict()) > 1e-4  # the step did move the weights
+
+
+def test_save_load_round_trip_gives_identical_next_step(tok, model, tmp_path):
+    b1, b2 = synthetic_batch(8, seed=10), synthetic_batch(8, seed=11)
+    a = TrainEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), micro_token_budget=50, device="cpu")
+    a.train_step(b1, ppo_loss)
+    a.save(tmp_path / "ckpt")
+    assert set(torch.load(tmp_path / "ckpt" / "optim.pt", weights_only=True)) == {"state", "param_groups"}
+    a.train_step(b2, ppo_loss)
+    b = TrainEngine(build_tiny_qwen2(tok, seed=5), OptimConfig(lr=1e-3), micro_token_budget=50, device="cpu")
+    b.load(tmp_path / "ckpt")
+    b.train_step(b2, ppo_loss)
+    assert max_diff(a.full_state_dict(), b.full_state_dict()) == 0.0  # Adam moments restored too
+
+
+def test_weight_sync_into_rollout_and_sft(tok, model):
+    policy = TrainEngine(copy.deepcopy(model), OptimConfig(lr=3e-3), micro_token_budget=200, device="cpu")
+    batch, n_trunc = build_sft_batch(tok, ["1+1=", "2+2="] * 4, ["2", "4"] * 4, P, R)
+    assert n_trunc == 0 and batch["response_mask"].sum(-1).tolist() == [2] * 8  # digit + eos
+    losses = [policy.train_step(batch, sft_loss_fn)["loss"] for _ in range(12)]
+    assert losses[-1] < losses[0] - 0.5
+    rollout = HFRollout(copy.deepcopy(model), tok, RolloutConfig(n=1, max_prompt_len=P, max_response_len=R))
+    rollout.load_weights(policy.full_state_dict())
+    assert max_diff(rollout.model.state_dict(), policy.model.state_dict()) == 0.0
+    with pytest.raises(KeyError):
+        rollout.load_weights({"not.a.weight": torch.zeros(1)})
+
+
+# ---------------------------------------------------------------- critic, factory
+
+
+def test_critic_values_zero_at_init_and_trainable(tok, model, tmp_path):
+    batch = synthetic_batch(6, seed=4)
+    critic = build_critic_from(model)
+    assert type(critic).__name__ == "Qwen2ForTokenClassification"
+    assert torch.equal(critic.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    eng = TrainEngine(critic, OptimConfig(lr=1e-2), micro_token_budget=30, device="cpu")
+    v0 = eng.forward_values(*fwd_cols(batch))
+    assert v0.shape == (6, R) and (v0 == 0).all()
+    value_loss = lambda mb, log_probs, values: ((values - 1.0) ** 2, mb["response_mask"], {})  # noqa: E731
+    metrics = [eng.train_step(batch, value_loss)["loss"] for _ in range(3)]
+    assert metrics[0] == pytest.approx(1.0) and metrics[-1] < metrics[0]
+    v1 = eng.forward_values(*fwd_cols(batch))
+    assert (v1 * (1 - batch["response_mask"]) == 0).all() and v1.abs().sum() > 0
+    save_model_dir(model, tok, tmp_path / "lm")
+    from_dir = build_critic_from(tmp_path / "lm")
+    assert torch.equal(from_dir.model.norm.weight, model.model.norm.weight) and (from_dir.score.weight == 0).all()
+
+
+def test_make_rollout_and_vllm_without_gpu(tok, model, tmp_path):
+    assert isinstance(make_rollout("hf", model, tok, RolloutConfig()), HFRollout)
+    for kind in ("sglang", "vllm"):  # unknown kind; vllm without model_path
+        pytest.raises(ValueError, make_rollout, kind, model, tok)
+    with pytest.raises(RuntimeError, match=r"\[gpu\]"):
+        make_rollout("vllm", None, tok, RolloutConfig(), model_path=str(tmp_path))
+
+
+# ---------------------------------------------------------------- FSDP2, 2 gloo ranks
+
+
+def _fsdp_worker(rank: int, world: int, port: int, out_dir: str, batch: dict, split: int, mode: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        tok = build_char_tokenizer()
+        eng = TrainEngine(build_tiny_qwen2(tok, seed=0), OptimConfig(lr=1e-3), micro_token_budget=30, device="cpu")
+        assert eng.distributed and eng.world == world
+        rows = torch.arange(split) if rank == 0 else torch.arange(split, batch["input_ids"].shape[0])
+        local = subset(batch, rows)
+        lp, _ = eng.forward_log_probs(*fwd_cols(local))
+        grads, _ = grads_of(eng, local, mode)
+        metrics = eng.train_step(local, ppo_loss, mode)
+        state = eng.full_state_dict()
+        eng.save(os.path.join(out_dir, "ckpt"))
+        n_local = len(micro_batches(local["attention_mask"], eng.budget))
+        torch.save({"n_local": n_local, "log_probs": lp, "grads": grads, "state": state, "metrics": metrics},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_fsdp2_two_ranks_equal_one_rank(tok, model, tmp_path, mode):
+    batch, split = synthetic_batch(12, seed=21), 4  # rank 0: 4 rows, rank 1: 8 -> uneven tokens and micro counts
+    with socket.socket() as s:  # a free port for the gloo rendezvous
+        s.bind(("127.0.0.1", 0))
+        ctx, port = mp.get_context("spawn"), s.getsockname()[1]
+    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, port, str(tmp_path), batch, split, mode)) for r in range(2)]
+    [p.start() for p in procs]
+    for p in procs:
+        p.join(timeout=150)
+        if p.is_alive():  # hung collective: fail instead of blocking the suite
+            p.kill()
+            p.join()
+    errors = [e.read_text() for e in sorted(tmp_path.glob("error*.txt"))] or [p.exitcode for p in procs]
+    assert errors == [0, 0], errors[0]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert r0["metrics"] == r1["metrics"]  # identical floats on every rank
+    assert r0["n_local"] != r1["n_local"]  # one rank ran dummy micro-batches to stay in lock-step
+    assert r0["metrics"]["n_micro"] == max(r0["n_local"], r1["n_local"])
+    # reference: one process, plain module, the whole batch
+    ref = TrainEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), micro_token_budget=10**6, device="cpu")
+    lp_ref, _ = ref.forward_log_probs(*fwd_cols(batch))
+    assert torch.allclose(torch.cat([r0["log_probs"], r1["log_probs"]]), lp_ref, atol=1e-5)
+    g_ref, _ = grads_of(ref, batch, mode)
+    assert max_diff(r0["grads"], g_ref) < 1e-6 and max_diff(r1["grads"], g_ref) < 1e-6
+    m_ref = ref.train_step(batch, ppo_loss, mode)
+    for k in ("loss", "grad_norm", "ratio", "n_tokens"):
+        assert r0["metrics"][k] == pytest.approx(m_ref[k], abs=1e-5), k
+    s_ref = ref.full_state_dict()
+    assert max_diff(r0["state"], s_ref) < 1e-5 and max_diff(r1["state"], s_ref) < 1e-5
+    # the FSDP checkpoint loads into a plain 1-process engine
+    plain = TrainEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), device="cpu")
+    plain.load(tmp_path / "ckpt")
+    assert max_diff(plain.full_state_dict(), s_ref) < 1e-5
