@@ -66,8 +66,8 @@ class SessionConfig(Strict):
     """Data-coordinator switches (ablations)."""
     keep_outputs: bool = True
     """Keep each stage's latest output on the workers so `peek` can show samples."""
-    algo: dict[str, Any] = Field(default_factory=dict)
-    """Algorithm config visible to stage functions as `ctx.config` (typed by the algorithm)."""
+    algo: Any = None
+    """Algorithm config visible to stage functions as `ctx.config` (a RunConfig for the built-in algorithms)."""
 
 
 def set_dotted(d: dict, dotted: str, value: Any) -> None:
@@ -110,3 +110,217 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p}: top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+# ---------------------------------------------------------------------------------
+# The RL run: model, data, rollout, actor/critic, algorithm, trainer.
+# ---------------------------------------------------------------------------------
+
+
+class TinySpec(Strict):
+    """A random-init tiny Qwen2 (built offline when `model.path` holds no model)."""
+
+    hidden_size: int = 64
+    """Residual width."""
+    num_layers: int = 2
+    """Decoder blocks."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = 256
+    """MLP width."""
+    max_position_embeddings: int = 64
+    """Longest prompt + response the model accepts."""
+
+
+class WarmStart(Strict):
+    """Supervised warm-up (SFT) so RL starts from a policy with non-zero reward."""
+
+    steps: int = Field(default=0, ge=0)
+    """SFT optimizer steps before RL (0: none). The result is cached next to the model."""
+    lr: float = 3e-3
+    """SFT learning rate."""
+    batch_size: int = 64
+    """Examples per SFT step."""
+
+
+class ModelOptions(Strict):
+    path: str = "runs/models/tiny-qwen2"
+    """Local model directory (a Hugging Face checkpoint, e.g. Qwen2.5; never downloaded)."""
+    tiny: TinySpec | None = Field(default_factory=TinySpec)
+    """Build this tiny model at `path` if it holds none (None: `path` must hold a checkpoint)."""
+    warm_start: WarmStart = Field(default_factory=WarmStart)
+    """SFT warm-up before RL."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype (bfloat16 on GPU)."""
+
+
+class DataOptions(Strict):
+    train: str = "arithmetic"
+    """verl-schema parquet/jsonl path, or "arithmetic" (generated) or "gsm8k" (converted from ../shared)."""
+    prompts_per_step: int = Field(default=16, ge=1)
+    """Prompts in the global batch of one step (each gets `rollout.n` responses)."""
+    max_prompt_len: int = Field(default=16, ge=1)
+    """P: prompts are left-padded to this many tokens; longer ones are truncated (counted and reported)."""
+    shuffle: bool = True
+    """Shuffle each rank's shard every epoch (seeded)."""
+    arithmetic_rows: int = 4096
+    """Rows generated for the arithmetic task."""
+    arithmetic_max_operand: int = 9
+    """Largest operand of the arithmetic task (difficulty)."""
+
+
+class RolloutOptions(Strict):
+    engine: Literal["hf", "vllm"] = "hf"
+    """transformers generate (CPU/GPU) or vLLM (GPU only, the [gpu] extra; untested here)."""
+    n: int = Field(default=8, ge=1)
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature (the trainer divides logits by it too)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=0, ge=0)
+    """Top-k truncation (0: off)."""
+    max_response_len: int = Field(default=8, ge=1)
+    """R: new tokens at most; responses are right-padded to R."""
+    micro_batch: int = Field(default=256, ge=1)
+    """Sequences per generate() call."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size of the rollout layout (dp = world_size // tp)."""
+
+
+class ActorOptions(Strict):
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip."""
+    micro_token_budget: int = 4096
+    """Real tokens per micro-batch (gradient accumulation is normalized: grouping does not change the update)."""
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio <= 1 + clip_ratio_high."""
+    clip_ratio_c: float = 3.0
+    """Dual clip for negative advantages (> 1)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become one number."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight."""
+    use_kl_loss: bool = True
+    """Add a KL(actor || reference) loss term (GRPO style)."""
+    kl_loss_coef: float = 0.01
+    """Weight of the KL loss."""
+    kl_loss_type: Literal["k1", "k3", "low_var_kl", "abs", "mse"] = "low_var_kl"
+    """KL estimator for the loss (k3 = low_var_kl)."""
+
+
+class CriticOptions(Strict):
+    lr: float = 1e-3
+    """Critic AdamW learning rate (PPO)."""
+    cliprange_value: float = 0.5
+    """Value clipping range."""
+    micro_token_budget: int = 4096
+    """Real tokens per critic micro-batch."""
+
+
+class AlgorithmOptions(Strict):
+    name: Literal["grpo", "ppo"] = "grpo"
+    """Which DAG: GRPO (group-relative, no critic) or PPO (GAE with a critic)."""
+    adv_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"] = "grpo"
+    """Advantage estimator (gae needs the PPO DAG)."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * KL(old || ref) from the token rewards (PPO style)."""
+    kl_coef: float = 0.001
+    """Weight of the KL reward penalty."""
+    kl_penalty: Literal["k1", "k3", "low_var_kl", "abs", "mse"] = "k1"
+    """KL estimator for the reward penalty."""
+
+
+class RewardOptions(Strict):
+    fn: str = "auto"
+    """"auto" picks by data_source (GSM8K, arithmetic); or "module:function" taking (response, ground_truth)."""
+
+
+class TrainerOptions(Strict):
+    steps: int = Field(default=20, ge=0)
+    """RL steps to run."""
+    out_dir: str = "runs/latest"
+    """Where metrics, spans, trace, report and checkpoints go."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every this many steps (0: only when asked)."""
+
+
+class RunConfig(Strict):
+    """Everything one RL run needs. Load with `load_run_config(path, overrides)`."""
+
+    mode: Literal["distributed", "centralized"] = "distributed"
+    """Data plane: DistFlow multi-controller or verl-style centralized."""
+    seed: int = 0
+    """Seed for data order, sampling and initialization."""
+    model: ModelOptions = Field(default_factory=ModelOptions)
+    """The policy model."""
+    data: DataOptions = Field(default_factory=DataOptions)
+    """Training prompts."""
+    rollout: RolloutOptions = Field(default_factory=RolloutOptions)
+    """Generation."""
+    actor: ActorOptions = Field(default_factory=ActorOptions)
+    """Policy update."""
+    critic: CriticOptions = Field(default_factory=CriticOptions)
+    """Value model (PPO)."""
+    algorithm: AlgorithmOptions = Field(default_factory=AlgorithmOptions)
+    """Algorithm and advantage estimator."""
+    reward: RewardOptions = Field(default_factory=RewardOptions)
+    """Reward function."""
+    trainer: TrainerOptions = Field(default_factory=TrainerOptions)
+    """Steps, output, checkpoints."""
+    cluster: ClusterOptions = Field(default_factory=lambda: ClusterOptions(world_size=2, torch_distributed=True))
+    """Worker placement."""
+    switches: Switches = Field(default_factory=Switches)
+    """Data-coordinator switches (ablations)."""
+
+    def session_config(self) -> SessionConfig:
+        return SessionConfig(mode=self.mode, seed=self.seed, cluster=self.cluster, switches=self.switches, algo=self)
+
+    def check_sizes(self) -> None:
+        """Impossible sizes fail here, before any worker starts."""
+        w, tp = self.cluster.world_size, self.rollout.tp
+        if w % tp:
+            raise ConfigError(f"rollout.tp={tp} does not divide cluster.world_size={w}")
+        dp = w // tp
+        if self.data.prompts_per_step % dp:
+            raise ConfigError(f"data.prompts_per_step={self.data.prompts_per_step} is not divisible by the rollout's "
+                              f"data-parallel size {dp} (world_size {w} / rollout.tp {tp})")
+        if (self.data.prompts_per_step * self.rollout.n) % w:
+            raise ConfigError(f"prompts_per_step x rollout.n = {self.data.prompts_per_step * self.rollout.n} responses "
+                              f"cannot be split evenly over {w} training workers")
+        if self.actor.mini_batches > 1 and (self.data.prompts_per_step * self.rollout.n // w) % self.actor.mini_batches:
+            raise ConfigError(f"actor.mini_batches={self.actor.mini_batches} does not divide the "
+                              f"{self.data.prompts_per_step * self.rollout.n // w} responses per worker")
+        if self.algorithm.adv_estimator == "gae" and self.algorithm.name != "ppo":
+            raise ConfigError("algorithm.adv_estimator=gae needs algorithm.name=ppo (a critic)")
+        if self.cluster.world_size > 1 and not self.cluster.torch_distributed:
+            raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """A RunConfig from a YAML file or preset name (see `presets/`) plus `a.b=value` overrides."""
+    data: dict = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        if not p.exists() and (PRESETS / f"{path}.yaml").exists():
+            p = PRESETS / f"{path}.yaml"
+        data, source = read_yaml(p), str(p)
+    cfg = load_model(RunConfig, apply_overrides(data, list(overrides or [])), source)
+    cfg.check_sizes()
+    return cfg
+
+
+PRESETS = Path(__file__).parent / "presets"

@@ -20,9 +20,12 @@ import pandas as pd
 # Phases, in the order figures stack them. compute/put/get/cache_hit are the
 # distributed data path; split/dispatch/collect/concat the centralized one.
 PHASES = (
-    "compute", "load", "cache_hit", "put", "get", "plan", "wait",
+    "compute", "weight_sync", "load", "cache_hit", "put", "get", "plan", "wait",
     "split", "dispatch", "collect", "concat", "other",
 )
+# Phases a stage function records inside its own compute span (ctx.span): breakdowns
+# subtract them from "compute" so nothing is counted twice.
+NESTED_PHASES = ("weight_sync",)
 DATA_PHASES = ("load", "cache_hit", "put", "get", "plan", "wait", "split", "dispatch", "collect", "concat")
 DRIVER = -1  # worker id of the driver's own spans
 

@@ -9,6 +9,7 @@ driver sends (`run_stage_centralized`).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -65,7 +66,14 @@ class StageContext:
     engines: dict[str, Any] = field(default_factory=dict)
     loader: ShardedLoader | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    recorder: SpanRecorder | None = None
     _rng: torch.Generator | None = None
+
+    def span(self, phase: str, **counts):
+        """Time a part of this stage as its own span (e.g. "weight_sync")."""
+        if self.recorder is None:
+            return contextlib.nullcontext()
+        return self.recorder.span(self.step, self.stage.id, phase, **counts)
 
     @property
     def rng(self) -> torch.Generator:
@@ -106,7 +114,7 @@ class DAGWorker:
         if first.type == "data_load" and s.mode == "distributed":
             self.loader = make_loader(first.config, first.dp_rank(self.rank), first.dp, s.seed)
         if s.engines is not None:
-            self.engines = resolve_function(s.engines, node="engines")(self._ctx(-1, first), s.config) or {}
+            self.engines = resolve_function(s.engines, node="engines")(self._ctx(0, first), s.config) or {}
         gc.collect()
         gc.freeze()  # start-up objects (torch, Ray) leave the GC's view: later collections stay short
         return {"rank": self.rank, "node": self.node, "pid": os.getpid(),
@@ -194,7 +202,7 @@ class DAGWorker:
         dp_rank = st.dp_rank(self.rank)
         return StageContext(step, st, self.rank, self.world_size, dp_rank, st.dp, st.group_rank(self.rank),
                             stage_seed(self.s.seed, step, st.index, dp_rank), self.node, self.s.config,
-                            self.engines, self.loader)
+                            self.engines, self.loader, recorder=self.rec)
 
     # ---- the buffer protocol (see data/buffer.py) --------------------------------
     def _buffer_of(self, worker: int):
@@ -276,6 +284,44 @@ class DAGWorker:
             return None
         small = out.select(np.arange(min(n, len(out))))
         return small.pick(columns) if columns else small
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> list[str]:
+        """Trainable engines (collective: every worker calls) and this rank's loader position."""
+        import json
+        from pathlib import Path
+
+        d = Path(directory)
+        saved = []
+        for name, e in self.engines.items():
+            if callable(getattr(e, "save", None)) and getattr(e, "optimizer", None) is not None:
+                e.save(d / name)
+                saved.append(name)
+        if self.loader is not None and self.plan.stages[0].group_rank(self.rank) == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"loader_dp{self.loader.dp_rank}.json").write_text(json.dumps(self.loader.state_dict()))
+        return saved
+
+    def load_checkpoint(self, directory: str) -> list[str]:
+        import json
+        from pathlib import Path
+
+        d = Path(directory)
+        loaded = []
+        for name, e in self.engines.items():
+            if callable(getattr(e, "load", None)) and (d / name).is_dir():
+                e.load(d / name)
+                loaded.append(name)
+        for e in self.engines.values():
+            if callable(getattr(e, "after_load", None)):
+                e.after_load()
+        if self.loader is not None:
+            f = d / f"loader_dp{self.loader.dp_rank}.json"
+            if not f.exists():
+                raise FileNotFoundError(f"checkpoint {d} has no loader state for data-parallel rank "
+                                        f"{self.loader.dp_rank} ({f.name})")
+            self.loader.load_state_dict(json.loads(f.read_text()))
+        return loaded
 
     def memory(self) -> dict:
         import psutil

@@ -31,7 +31,7 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
     raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
 
 
-def policy_loss_ppo(
+def ppo_token_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
@@ -39,16 +39,16 @@ def policy_loss_ppo(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate with dual clip (arXiv:1707.06347, arXiv:1912.09729).
+    """Per-token PPO clipped surrogate with dual clip (arXiv:1707.06347, arXiv:1912.09729).
 
         r   = exp(log_prob - old_log_prob)
         L_1 = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
         L   = L_1                       if A >= 0
               min(L_1, -A * clip_ratio_c) if A < 0   (dual clip: caps the loss when r >> 1)
 
-    Metrics (python floats, means over valid tokens):
+    Returns the [B, T] loss matrix (aggregate it with `aggregate_loss`) and metrics
+    (python floats, means over valid tokens):
       clipfrac       fraction where the clipped branch is strictly larger (was taken)
       clipfrac_lower fraction with A < 0 where the dual clip bound -A*c engaged
       approx_kl      k1 estimate of KL(old || new): mean(old_log_prob - log_prob)
@@ -63,14 +63,29 @@ def policy_loss_ppo(
     loss3 = -advantages * clip_ratio_c
     neg = advantages < 0
     loss_mat = torch.where(neg, torch.minimum(clipped, loss3), clipped)
-    loss = aggregate_loss(loss_mat, response_mask, loss_agg_mode)
     with torch.no_grad():
         metrics = {
             "clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
             "clipfrac_lower": masked_mean(((clipped > loss3) & neg).float(), response_mask).item(),
             "approx_kl": masked_mean(-log_ratio, response_mask).item(),
         }
-    return loss, metrics
+    return loss_mat, metrics
+
+
+def policy_loss_ppo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`ppo_token_loss` aggregated to a scalar with `loss_agg_mode`."""
+    loss_mat, metrics = ppo_token_loss(old_log_prob, log_prob, advantages, response_mask,
+                                       clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    return aggregate_loss(loss_mat, response_mask, loss_agg_mode), metrics
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:

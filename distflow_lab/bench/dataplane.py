@@ -20,38 +20,9 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from .. import controller
-from ..reports import StepReport
+from ..analysis import step_table, stage_breakdown
 from ..synthetic import synthetic_grpo
 from .common import int_list, memcpy_gbps, print_table, summarize, write_json
-
-
-def compute_critical_path(step: StepReport) -> float:
-    total = 0.0
-    for st in step.stages:
-        per_worker = [sum(s.seconds for s in r.spans if s.phase == "compute") for r in st.results]
-        total += max(per_worker, default=0.0)
-    return total
-
-
-def bytes_moved(step: StepReport) -> int:
-    spans = step.spans
-    if not len(spans):
-        return 0
-    moved = spans[(spans.phase == "put") | ((spans.worker == -1) & spans.phase.isin(["dispatch", "collect"]))]
-    return int(moved["bytes"].sum())
-
-
-def stage_breakdown(step: StepReport) -> pd.DataFrame:
-    """Paper Table 1 for one step: per stage, the critical-path seconds of each
-    phase (max over workers of a worker's time in that phase; the driver's
-    spans count as they are)."""
-    df = step.spans
-    if not len(df):
-        return pd.DataFrame()
-    per = df.groupby(["stage", "worker", "phase"], as_index=False)["seconds"].sum()
-    crit = per.groupby(["stage", "phase"])["seconds"].max().unstack(fill_value=0.0)
-    order = [s.stage_id for s in step.stages]
-    return crit.reindex([s for s in order if s in crit.index])
 
 
 def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, **options: Any) -> list[dict]:
@@ -63,11 +34,10 @@ def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, **opti
         out = []
         for _ in range(steps):
             rep = s.step()
-            compute = compute_critical_path(rep)
-            out.append({"mode": mode, "step": rep.step, "wall_s": rep.wall_seconds, "compute_s": compute,
-                        "data_plane_s": max(rep.wall_seconds - compute, 0.0), "bytes_moved": bytes_moved(rep),
-                        "tokens": sum(r.tokens_out for st in rep.stages[-1:] for r in st.results if r.group_rank == 0),
-                        "breakdown": stage_breakdown(rep)})
+            spans = rep.spans
+            row = step_table(spans, pd.Series({rep.step: rep.wall_seconds})).iloc[0]
+            out.append({"mode": mode, "step": rep.step, **row.to_dict(),
+                        "breakdown": stage_breakdown(spans, [st.stage_id for st in rep.stages])})
         return out
     finally:
         s.close()

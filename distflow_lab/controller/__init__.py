@@ -18,7 +18,8 @@ def create(dag: DAG, config: SessionConfig | dict | None = None, mode: str | Non
     """Start workers for `dag`. `options` may be any switch (local_cache,
     double_buffer, balance, num_buffers) or cluster option (world_size, ...)."""
     cfg = config if isinstance(config, SessionConfig) else load_model(SessionConfig, dict(config or {}))
-    data = cfg.model_dump()
+    algo = cfg.algo  # passed through as is (a typed RunConfig must stay typed)
+    data = cfg.model_dump(exclude={"algo"})
     for k, v in options.items():
         if k in Switches.model_fields:
             data["switches"][k] = v
@@ -32,6 +33,7 @@ def create(dag: DAG, config: SessionConfig | dict | None = None, mode: str | Non
     if mode is not None:
         data["mode"] = mode
     cfg = load_model(SessionConfig, data)
+    cfg.algo = algo
     return MODES[cfg.mode](dag, cfg, engines=engines)
 
 

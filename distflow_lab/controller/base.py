@@ -7,8 +7,10 @@ a test can show that distributed mode moves no tensor payloads through it.
 """
 from __future__ import annotations
 
+import json
 import pickle
 import time
+from pathlib import Path
 from collections import deque
 from typing import Any, Callable
 
@@ -182,6 +184,51 @@ class Controller:
             raise KeyError(f"worker {worker} holds no output of stage {stage!r} yet (run it first; "
                            "keep_outputs must be on)")
         return out
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        """What a checkpoint must match to be loaded into this session."""
+        algo = self.config.algo
+        fp = {"dag": self.dag.name, "stages": [s.id for s in self.plan.stages],
+              "world_size": self.config.cluster.world_size, "seed": self.config.seed}
+        if hasattr(algo, "model"):
+            fp.update(model=algo.model.path, algorithm=algo.algorithm.name, data=algo.data.train)
+        return fp
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Trainable engines, optimizer state, loader positions and the step, between steps."""
+        if self.next_stage != 0:
+            raise RuntimeError(f"checkpoint between steps only: step {self.step_index} is at stage "
+                               f"{self.next_stage}; call step() to finish it first")
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self._gather([w.save_checkpoint.remote(str(d)) for w in self.workers], self.step_index, "save_checkpoint")
+        self._save_driver_state(d)
+        (d / "state.json").write_text(json.dumps({"next_step": self.step_index, "mode": self.mode,
+                                                  "fingerprint": self.fingerprint()}, indent=1))
+        return d
+
+    def load_checkpoint(self, directory: str | Path) -> int:
+        """Restore a checkpoint of this configuration; the next step() continues after it."""
+        d = Path(directory)
+        if not (d / "state.json").is_file():
+            raise FileNotFoundError(f"{d} is not a distflow_lab checkpoint (no state.json)")
+        state = json.loads((d / "state.json").read_text())
+        mine = self.fingerprint()
+        diff = {k: (state["fingerprint"].get(k), v) for k, v in mine.items() if state["fingerprint"].get(k) != v}
+        if diff:
+            raise ValueError(f"checkpoint {d} is from another configuration: "
+                             + "; ".join(f"{k}: checkpoint {a!r} vs session {b!r}" for k, (a, b) in diff.items()))
+        self._gather([w.load_checkpoint.remote(str(d)) for w in self.workers], state["next_step"], "load_checkpoint")
+        self._load_driver_state(d)
+        self.step_index, self.next_stage = state["next_step"], 0
+        return self.step_index
+
+    def _save_driver_state(self, d: Path) -> None:
+        pass
+
+    def _load_driver_state(self, d: Path) -> None:
+        pass
 
     # ---- results ------------------------------------------------------------------------
     @property

@@ -104,6 +104,18 @@ class CentralizedController(Controller):
                 self.rank_sizes = [len(o) for o in outs]
             sp.items, sp.bytes = len(self.batch), merged.nbytes
 
+    def _save_driver_state(self, d) -> None:
+        import json
+
+        for r, loader in enumerate(self.loaders):  # same files the workers write in distributed mode
+            (d / f"loader_dp{r}.json").write_text(json.dumps(loader.state_dict()))
+
+    def _load_driver_state(self, d) -> None:
+        import json
+
+        for r, loader in enumerate(self.loaders):
+            loader.load_state_dict(json.loads((d / f"loader_dp{r}.json").read_text()))
+
     def close(self) -> None:
         if getattr(self, "pool", None):
             self.pool.shutdown(wait=False)

@@ -1,0 +1,75 @@
+"""What each DAG worker owns for the built-in RL algorithms: tokenizer, actor
+(FSDP2 over all workers), frozen reference, rollout engine, critic (PPO) and
+the reward function. Built once per worker by `setup_engines` (the session's
+engine factory); stage functions reach them through `ctx.engines`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..config import RunConfig
+from ..dag import resolve_function
+from ..engines.fsdp import OptimConfig, TrainEngine
+from ..engines.model import load_model_dir
+from ..engines.rollout_hf import RolloutConfig, make_rollout
+from ..rewards import reward_for
+
+
+@dataclass
+class WeightSync:
+    """The rollout's weights lag the actor's after an update until synced."""
+
+    shared: bool  # the rollout uses the actor's own module (1 worker): always in sync
+    stale: bool = False
+
+    def after_load(self) -> None:  # a checkpoint replaced the actor's weights
+        self.stale = not self.shared
+
+
+def setup_engines(ctx: Any, cfg: RunConfig) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, cfg.model.dtype)
+    model, tokenizer = load_model_dir(cfg.model.path, dtype=dtype)
+    temp = cfg.rollout.temperature
+    actor = TrainEngine(model, OptimConfig(lr=cfg.actor.lr, grad_clip=cfg.actor.grad_clip),
+                        micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
+    ref = TrainEngine(load_model_dir(cfg.model.path, dtype=dtype)[0], None,
+                      micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
+    shared = not actor.distributed and cfg.rollout.engine == "hf"
+    gen_model = actor.model if shared else load_model_dir(cfg.model.path, dtype=dtype)[0]
+    rcfg = RolloutConfig(n=cfg.rollout.n, temperature=temp, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                         max_prompt_len=cfg.data.max_prompt_len, max_response_len=cfg.rollout.max_response_len,
+                         micro_batch=cfg.rollout.micro_batch)
+    engines: dict[str, Any] = {
+        "tokenizer": tokenizer, "actor": actor, "ref": ref,
+        "rollout": make_rollout(cfg.rollout.engine, gen_model.eval(), tokenizer, rcfg, model_path=cfg.model.path),
+        "sync": WeightSync(shared=shared), "reward_fn": make_reward_fn(cfg.reward.fn),
+    }
+    if cfg.algorithm.name == "ppo":
+        from ..engines.critic import build_critic_from
+
+        critic = build_critic_from(cfg.model.path, dtype=dtype)
+        engines["critic"] = TrainEngine(critic, OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.actor.grad_clip),
+                                        micro_token_budget=cfg.critic.micro_token_budget, critic=True)
+    return engines
+
+
+def make_reward_fn(spec: str) -> Callable[[str, str, str], float]:
+    """(data_source, response, ground_truth) -> score. "auto" picks by data source."""
+    if spec == "auto":
+        return lambda source, response, truth: reward_for(source)(response, truth)
+    fn = resolve_function(spec, node="reward")
+    return lambda source, response, truth: fn(response, truth)
+
+
+def sync_weights(ctx: Any) -> None:
+    """Push the actor's latest weights into the rollout engine if an update made them stale."""
+    sync: WeightSync = ctx.engines["sync"]
+    if sync.shared or not sync.stale:
+        return
+    with ctx.span("weight_sync"):
+        ctx.engines["rollout"].load_weights(ctx.engines["actor"].full_state_dict())  # gathers FSDP shards
+    sync.stale = False

@@ -1,0 +1,71 @@
+"""PPO with GAE and a critic (Schulman et al., 2017) on distflow_lab.
+
+    data -> rollout -> reward -> old_log_prob -> ref_log_prob -> values -> advantage
+         -> critic_update -> actor_update
+
+Rollout, reward, the log-prob stages and the actor update are GRPO's (grpo.py);
+PPO adds the critic's values, a GAE advantage (with the KL penalty optionally in
+the reward, PPO/RLHF style) and a clipped value-loss update of the critic.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import RunConfig
+from ..dag import DAG
+from ..dags import ppo_shape
+from ..data.batch import Batch
+from .advantages import gae_advantage, masked_mean, outcome_to_token_rewards
+from .grpo import MODEL_INPUTS, _mini_batches
+from .losses import apply_kl_in_reward
+
+SHARED = ("rollout", "reward", "old_log_prob", "ref_log_prob", "actor_update")
+
+
+def ppo_dag(cfg: RunConfig, data_path: str) -> DAG:
+    data = {"source": data_path, "batch_size": cfg.data.prompts_per_step, "shuffle": cfg.data.shuffle}
+    fns = {**{n: f"distflow_lab.algos.grpo:{n}" for n in SHARED},
+           **{n: f"{__name__}:{n}" for n in ("values", "advantage", "critic_update")}}
+    return ppo_shape(fns, data, rollout_tp=cfg.rollout.tp, name="ppo")
+
+
+def values(batch: Batch, ctx: Any) -> Batch:
+    v = ctx.engines["critic"].forward_values(*(batch[k] for k in MODEL_INPUTS))
+    return batch.with_columns(values=v)
+
+
+def advantage(batch: Batch, ctx: Any) -> Batch:
+    alg, mask = ctx.config.algorithm, batch["response_mask"]
+    rewards = outcome_to_token_rewards(batch["scores"], mask)
+    if alg.use_kl_in_reward:
+        rewards, kl = apply_kl_in_reward(rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
+                                         alg.kl_coef, alg.kl_penalty)
+        ctx.log(**{"critic/kl_in_reward": float(kl)})
+    adv, ret = gae_advantage(rewards, batch["values"], mask, alg.gamma, alg.lam)
+    return batch.with_columns(advantages=adv.float(), returns=ret.float())
+
+
+def critic_loss(cfg: RunConfig):
+    c = cfg.critic.cliprange_value
+
+    def loss_fn(mb: dict, _: Any, values: torch.Tensor):
+        mask, old, ret = mb["response_mask"], mb["values"], mb["returns"]
+        clipped = old + (values - old).clamp(-c, c)
+        loss = 0.5 * torch.maximum((values - ret) ** 2, (clipped - ret) ** 2)
+        with torch.no_grad():
+            frac = masked_mean(((clipped - ret) ** 2 > (values - ret) ** 2).float(), mask).item()
+        return loss, mask, {"vf_clipfrac": frac}
+
+    return loss_fn
+
+
+def critic_update(batch: Batch, ctx: Any) -> Batch:
+    cfg, critic = ctx.config, ctx.engines["critic"]
+    cols = {k: batch[k] for k in (*MODEL_INPUTS, "response_mask", "values", "returns")}
+    metrics: dict[str, float] = {}
+    for mini in _mini_batches(cols, cfg.actor.mini_batches):
+        metrics = critic.train_step(mini, critic_loss(cfg), cfg.actor.loss_agg_mode)
+    ctx.log(**{f"critic/{k}": v for k, v in metrics.items()})
+    return batch

@@ -1,0 +1,52 @@
+"""Supervised warm-up: teach the base model the answer format (prompt ->
+ground truth + eos) for a few steps, so RL starts from a policy whose reward
+is not zero. Runs once in the driver process (a tiny model trains in seconds
+on a CPU) and is cached on disk next to the base model."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..config import RunConfig
+from ..data.schema import read_rows
+from ..engines.fsdp import OptimConfig, TrainEngine, sft_loss_fn
+from ..engines.model import has_model, load_model_dir, save_model_dir
+from ..engines.rollout_hf import build_sft_batch
+
+
+def warm_start_dir(cfg: RunConfig) -> Path:
+    ws = cfg.model.warm_start
+    return Path(f"{cfg.model.path}-sft{ws.steps}-lr{ws.lr:g}-b{ws.batch_size}-s{cfg.seed}-{Path(cfg.data.train).stem}")
+
+
+def warm_start(cfg: RunConfig, data_path: str, progress: bool = True) -> Path:
+    """SFT `cfg.model.path` on the training set's (prompt, ground truth) pairs; return the new model dir."""
+    ws, out = cfg.model.warm_start, warm_start_dir(cfg)
+    if ws.steps == 0 or has_model(out):
+        return out if ws.steps else Path(cfg.model.path)
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch.manual_seed(cfg.seed)
+    model, tok = load_model_dir(cfg.model.path)
+    engine = TrainEngine(model, OptimConfig(lr=ws.lr), use_fsdp=False, device="cpu",
+                         micro_token_budget=cfg.actor.micro_token_budget)
+    rows = read_rows(data_path)
+    prompts = [r["prompt"] for r in rows]
+    targets = [r["reward_model"]["ground_truth"] for r in rows]
+    rng = np.random.default_rng(cfg.seed)
+    bar = tqdm(range(ws.steps), desc="SFT warm-up", disable=not progress, leave=False)
+    for _ in bar:
+        idx = rng.choice(len(rows), size=min(ws.batch_size, len(rows)), replace=False)
+        cols, _ = build_sft_batch(tok, [prompts[i] for i in idx], [targets[i] for i in idx],
+                                  cfg.data.max_prompt_len, cfg.rollout.max_response_len)
+        m = engine.train_step(cols, sft_loss_fn)
+        bar.set_postfix(loss=round(m["loss"], 4))
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    save_model_dir(model, tok, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)  # atomic: a half-written model is never picked up
+    return out
