@@ -169,6 +169,8 @@ class DataOptions(Strict):
     """Rows generated for the arithmetic task."""
     arithmetic_max_operand: int = 9
     """Largest operand of the arithmetic task (difficulty)."""
+    cache_dir: str = "runs/data"
+    """Where generated (arithmetic) and converted (GSM8K) parquet files are written."""
 
 
 class RolloutOptions(Strict):
@@ -305,6 +307,12 @@ class RunConfig(Strict):
                               f"{self.data.prompts_per_step * self.rollout.n // w} responses per worker")
         if self.algorithm.adv_estimator == "gae" and self.algorithm.name != "ppo":
             raise ConfigError("algorithm.adv_estimator=gae needs algorithm.name=ppo (a critic)")
+        if self.rollout.engine == "vllm":
+            import importlib.util
+
+            if importlib.util.find_spec("vllm") is None:
+                raise ConfigError("rollout.engine=vllm but vLLM is not installed: it needs the [gpu] extra "
+                                  "(pip install -e '.[gpu]') and a CUDA GPU; use rollout.engine=hf on CPU")
         if self.cluster.world_size > 1 and not self.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
 

@@ -22,12 +22,12 @@ from .dag import DAG
 ENGINES = "distflow_lab.algos.engines:setup_engines"
 
 
-def prepare_data(cfg: RunConfig, root: str | Path = "runs/data") -> str:
+def prepare_data(cfg: RunConfig) -> str:
     """The training parquet: generated (arithmetic), converted (GSM8K) or a given
     path, checked against the verl schema before any worker starts."""
     from .data.schema import read_table, validate_table
 
-    root = Path(root)
+    root = Path(cfg.data.cache_dir)
     if cfg.data.train == "arithmetic":
         from .tasks.arithmetic import write_arithmetic_parquet
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--out")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)  # overrides may come before or after options
     overrides = list(a.overrides) + ([f"mode={a.mode}"] if a.mode else [])
     try:
         cfg = load_run_config(a.config, overrides)
