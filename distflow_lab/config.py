@@ -10,12 +10,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .errors import FriendlyError
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
-class ConfigError(ValueError):
+class ConfigError(FriendlyError, ValueError):
     """A configuration that cannot run; names the key at fault."""
 
 

@@ -13,12 +13,14 @@ from typing import Any, Callable, Iterator, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .errors import FriendlyError
+
 Role = Literal["actor", "rollout", "reference", "critic", "reward", "advantage", "data", "custom"]
 NodeType = Literal["data_load", "generate", "compute", "train"]
 StageFn = Callable[..., Any]
 
 
-class DAGError(ValueError):
+class DAGError(FriendlyError, ValueError):
     """A DAG that cannot run. The message names the node at fault."""
 
 

@@ -2,7 +2,15 @@
 from __future__ import annotations
 
 
-class StageError(RuntimeError):
+class FriendlyError(Exception):
+    """Shown in a notebook as its message only (IPython's `_render_traceback_` hook):
+    the traceback into distflow_lab or Ray internals helps nobody fix a bad input."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class StageError(FriendlyError, RuntimeError):
     """A stage function raised, returned the wrong thing, or its worker died."""
 
     def __init__(self, message: str, *, step: int, stage: str, worker: int | None, remote_traceback: str = "") -> None:
@@ -32,3 +40,11 @@ class WorkerLost(StageError):
 
 class StageTimeout(StageError):
     """A stage ran past its timeout on some workers."""
+
+
+class BufferLost(StageError):
+    """A DataBuffer actor died during a redistribution."""
+
+
+class StageContractError(StageError):
+    """A stage returned the wrong columns or row count for what its node declares."""

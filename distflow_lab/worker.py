@@ -24,9 +24,11 @@ import torch
 from .dag import call_stage, resolve_function
 from .data.batch import Batch
 from .data.cache import LocalCache
+from .data.exchange import BufferClient
 from .data.loader import ShardedLoader, make_loader
+from .data.samples import sample_rows
 from .data.routing import item_lengths
-from .errors import StageError
+from .errors import StageContractError, StageError
 from .planner import Edge, Plan, Stage
 from .reports import StageResult
 from .telemetry import SpanRecorder
@@ -110,6 +112,7 @@ class DAGWorker:
         self.rec.mode = s.mode
         torch.set_num_threads(max(1, s.threads))
         self.fns = [resolve_function(st.fn, node=st.id) for st in self.plan.stages]
+        self.client = BufferClient(s.buffers, s.buffer_of_worker, self.rank, self.rec)
         first = self.plan.stages[0]
         if first.type == "data_load" and s.mode == "distributed":
             self.loader = make_loader(first.config, first.dp_rank(self.rank), first.dp, s.seed)
@@ -120,13 +123,17 @@ class DAGWorker:
         return {"rank": self.rank, "node": self.node, "pid": os.getpid(),
                 "loader": self.loader.report.__dict__ if self.loader else None}
 
-    def init_process_group(self, master_addr: str, port: int, backend: str = "gloo") -> bool:
+    def init_process_group(self, master_addr: str, port: int, backend: str = "gloo",
+                           timeout_s: float = 300.0) -> bool:
+        import datetime
+
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port),
                           RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
-        if not dist.is_initialized():
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+        if not dist.is_initialized():  # a bounded timeout: a dead peer must not hang collectives forever
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         return True
 
     def close(self) -> None:
@@ -151,9 +158,9 @@ class DAGWorker:
         st = self.plan.stages[index]
         t0 = time.perf_counter()
         if index == 0:
-            self.cache.clear()
-            self.outputs.clear()
+            self._start_step()
         batch, route, hit = self._input(step, st)
+        self._maybe_fault(step, st)
         out, ctx = self._compute(step, st, batch)
         self._output(step, st, out)
         return self._result(step, st, batch, out, route, hit, ctx, time.perf_counter() - t0)
@@ -167,7 +174,7 @@ class DAGWorker:
                 batch = self.cache.take(edge.name)
                 sp.items = len(batch)
             return batch, "cache", True
-        return self._fetch(step, edge, st), "buffer", False
+        return self.client.fetch(step, edge, self.plan.stages[edge.src], st), "buffer", False
 
     def _is_local(self, edge: Edge) -> bool:
         return edge.kind == "local" and self.s.local_cache
@@ -185,9 +192,23 @@ class DAGWorker:
                 raise StageError(f"stage {st.id!r} returned {type(out).__name__}, expected a Batch "
                                  f"(worker {self.rank}, step {step})", step=step, stage=st.id, worker=self.rank)
             sp.tokens = int(item_lengths(out).sum()) if len(out) else 0
+        self._check_contract(step, st, batch, out)
         if self.s.keep_outputs:
             self.outputs[st.id] = out
         return out, ctx
+
+    def _check_contract(self, step: int, st: Stage, batch: Batch, out: Batch) -> None:
+        """A node may declare `outputs` (columns that must exist after it) and
+        `rows: same` (it keeps the row count); break either and the error names it."""
+        missing = [c for c in st.config.get("outputs", []) if c not in out]
+        if missing:
+            raise StageContractError(f"stage {st.id!r} did not produce column(s) {missing} (worker {self.rank}, "
+                                     f"step {step}); it returned {out.columns}", step=step, stage=st.id,
+                                     worker=self.rank)
+        if st.config.get("rows") == "same" and len(out) != len(batch):
+            raise StageContractError(f"stage {st.id!r} returned {len(out)} rows for {len(batch)} input rows "
+                                     f"(worker {self.rank}, step {step}); its node declares rows: same",
+                                     step=step, stage=st.id, worker=self.rank)
 
     def _output(self, step: int, st: Stage, out: Batch) -> None:
         edge = self.plan.edge_out_of(st.index)
@@ -196,58 +217,14 @@ class DAGWorker:
         if self._is_local(edge):
             self.cache.put(edge.name, out)
         elif st.group_rank(self.rank) == 0:  # only tensor-parallel rank 0 writes: no duplicates
-            self._publish(step, edge, st, out)
+            policy = self.s.balance if edge.kind == "redistribute" else "identity"
+            self.client.publish(step, edge, st, self.plan.stages[edge.dst], out, policy)
 
     def _ctx(self, step: int, st: Stage) -> StageContext:
         dp_rank = st.dp_rank(self.rank)
         return StageContext(step, st, self.rank, self.world_size, dp_rank, st.dp, st.group_rank(self.rank),
                             stage_seed(self.s.seed, step, st.index, dp_rank), self.node, self.s.config,
                             self.engines, self.loader, recorder=self.rec)
-
-    # ---- the buffer protocol (see data/buffer.py) --------------------------------
-    def _buffer_of(self, worker: int):
-        return self.s.buffers[self.s.buffer_of_worker[worker]]
-
-    def _publish(self, step: int, edge: Edge, st: Stage, out: Batch) -> None:
-        consumer = self.plan.stages[edge.dst]
-        me = st.dp_rank(self.rank)
-        policy = self.s.balance if edge.kind == "redistribute" else "identity"
-        mine = self._buffer_of(self.rank)
-        with self.rec.span(step, st.id, "plan", items=len(out)):
-            lengths = item_lengths(out)
-            calls = [b.report.remote(step, edge.name, me, lengths, st.dp, consumer.dp, policy, b is mine)
-                     for b in self.s.buffers]
-            pieces = ray.get(mine.plan.remote(step, edge.name, me))
-            ray.get(calls)
-        with self.rec.span(step, st.id, "put", items=len(out)) as sp:
-            acks = []
-            for b, consumers in self._consumers_by_buffer(consumer).items():
-                rows = [pieces[c] for c in consumers]
-                bounds = np.cumsum([0, *map(len, rows)])
-                piece = out.select(np.concatenate(rows))  # one gather, one put per destination node
-                sp.bytes += piece.nbytes
-                slices = {c: (int(bounds[i]), int(bounds[i + 1])) for i, c in enumerate(consumers)}
-                acks.append(self.s.buffers[b].add_piece.remote(step, edge.name, me, [ray.put(piece)], slices, st.dp))
-            ray.get(acks)
-
-    def _consumers_by_buffer(self, consumer: Stage) -> dict[int, list[int]]:
-        """Consumer dp ranks grouped by the buffer of their node (group rank 0's worker)."""
-        out: dict[int, list[int]] = {}
-        for c in range(consumer.dp):
-            out.setdefault(self.s.buffer_of_worker[c * consumer.group_size], []).append(c)
-        return out
-
-    def _fetch(self, step: int, edge: Edge, st: Stage) -> Batch:
-        producer = self.plan.stages[edge.src]
-        me = st.dp_rank(self.rank)
-        with self.rec.span(step, st.id, "wait"):
-            pieces = ray.get(self._buffer_of(self.rank).get_pieces.remote(
-                step, edge.name, me, producer.dp, st.group_rank(self.rank) == 0))
-        with self.rec.span(step, st.id, "get", cache_hit=False) as sp:
-            objs = ray.get([ref for ref, _, _ in pieces])
-            batch = Batch.concat([o.select(slice(a, b)) for o, (_, a, b) in zip(objs, pieces)])
-            sp.items, sp.bytes = len(batch), batch.nbytes
-        return batch
 
     # ---- centralized mode ----------------------------------------------------------
     def run_stage_centralized(self, step: int, index: int, chunk: list) -> tuple[list, bool, StageResult]:
@@ -258,6 +235,7 @@ class DAGWorker:
         with self.rec.span(step, st.id, "dispatch") as sp:
             batch = ray.get(chunk[0]) if chunk else Batch.empty()
             sp.items, sp.bytes = len(batch), batch.nbytes
+        self._maybe_fault(step, st)
         out, ctx = self._compute(step, st, batch)
         delta = len(out) == len(batch) and len(batch) > 0 and len(out.changed_columns(batch)) < len(out.columns)
         refs: list = []
@@ -284,6 +262,37 @@ class DAGWorker:
             return None
         small = out.select(np.arange(min(n, len(out))))
         return small.pick(columns) if columns else small
+
+    # ---- faults and retries ----------------------------------------------------------
+    def _start_step(self) -> None:
+        self.cache.clear()
+        self.outputs.clear()
+        if self.loader is not None:  # where this step's data starts, should the step be retried
+            self._loader_at_step_start = self.loader.state_dict()
+
+    def rewind(self) -> bool:
+        """Undo the current step's data loading so the same step can run again."""
+        self.cache.clear()
+        self.outputs.clear()
+        if self.loader is not None and getattr(self, "_loader_at_step_start", None):
+            self.loader.load_state_dict(self._loader_at_step_start)
+        return True
+
+    def set_faults(self, faults: list[dict]) -> int:
+        """Planned faults: {"step", "stage", "action": "exit" | "kill_buffer", "buffer": i}.
+        Real ones: "exit" ends this worker's process mid-stage; "kill_buffer" kills a
+        DataBuffer actor (Ray restarts it)."""
+        self.faults = list(faults)
+        return len(self.faults)
+
+    def _maybe_fault(self, step: int, st: Stage) -> None:
+        for f in getattr(self, "faults", []):
+            if f["step"] == step and f["stage"] == st.id:
+                self.faults.remove(f)
+                if f["action"] == "exit":
+                    os._exit(1)
+                if f["action"] == "kill_buffer":
+                    ray.kill(self.s.buffers[f.get("buffer", 0)], no_restart=False)
 
     # ---- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self, directory: str) -> list[str]:
@@ -322,6 +331,17 @@ class DAGWorker:
                                         f"{self.loader.dp_rank} ({f.name})")
             self.loader.load_state_dict(json.loads(f.read_text()))
         return loaded
+
+    def samples(self, stage_id: str, n: int = 4) -> list[dict]:
+        """A few rows of a stage's latest output as plain values, decoded to text when
+        this worker has a tokenizer (only these rows travel to the driver)."""
+        out = self.outputs.get(stage_id)
+        return [] if out is None else sample_rows(out, n, self.engines.get("tokenizer"), self.rank)
+
+    def lengths(self, stage_id: str) -> np.ndarray | None:
+        """Token length of every item of a stage's latest output (metadata for load-balance plots)."""
+        out = self.outputs.get(stage_id)
+        return None if out is None else item_lengths(out)
 
     def memory(self) -> dict:
         import psutil

@@ -189,8 +189,9 @@ def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
         with pytest.raises(StageError, match=r"stage 'reward' raised ValueError: reward model exploded \(worker [23], step 0\)") as e:
             s.step()
         assert "broken_reward" in e.value.remote_traceback
-        s.dag = d  # the session survives: the next step runs (and fails the same way, cleanly)
-        with pytest.raises(StageError, match="step 1"):
+        # the session survives: the same step (same data) runs again — and fails the same way
+        with pytest.raises(StageError, match="step 0"):
             s.step()
+        assert s.step_index == 0
     finally:
         s.close()

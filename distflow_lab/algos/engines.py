@@ -38,14 +38,16 @@ def setup_engines(ctx: Any, cfg: RunConfig) -> dict[str, Any]:
                         micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
     ref = TrainEngine(load_model_dir(cfg.model.path, dtype=dtype)[0], None,
                       micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
-    shared = not actor.distributed and cfg.rollout.engine == "hf"
-    gen_model = actor.model if shared else load_model_dir(cfg.model.path, dtype=dtype)[0]
+    hf = cfg.rollout.engine == "hf"
+    shared = hf and not actor.distributed  # 1 worker: generate with the actor's own module
+    gen_model = actor.model if shared else (load_model_dir(cfg.model.path, dtype=dtype)[0] if hf else None)
     rcfg = RolloutConfig(n=cfg.rollout.n, temperature=temp, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                          max_prompt_len=cfg.data.max_prompt_len, max_response_len=cfg.rollout.max_response_len,
                          micro_batch=cfg.rollout.micro_batch)
     engines: dict[str, Any] = {
         "tokenizer": tokenizer, "actor": actor, "ref": ref,
-        "rollout": make_rollout(cfg.rollout.engine, gen_model.eval(), tokenizer, rcfg, model_path=cfg.model.path),
+        "rollout": make_rollout(cfg.rollout.engine, gen_model.eval() if gen_model is not None else None, tokenizer,
+                                rcfg, model_path=cfg.model.path),
         "sync": WeightSync(shared=shared), "reward_fn": make_reward_fn(cfg.reward.fn),
     }
     if cfg.algorithm.name == "ppo":

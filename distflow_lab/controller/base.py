@@ -45,6 +45,8 @@ class Controller:
         self._current: list[StageReport] = []
         self._step_t0 = 0.0
         self.placement: Placement | None = None
+        self.last_checkpoint: Path | None = None
+        self.retries: list[dict] = []  # steps re-run after a DataBuffer died
         if not ray.is_initialized():
             from ..cluster import connect
 
@@ -83,15 +85,17 @@ class Controller:
             return
         backend = "nccl" if self.config.cluster.gpus_per_worker > 0 else "gloo"
         port = free_port()
-        self._gather([w.init_process_group.remote("127.0.0.1" if len(set(self.placement.worker_nodes)) == 1
-                                                  else _node_ip(self.placement.worker_nodes[0]), port, backend)
-                      for w in self.workers], step=-1, stage="init_process_group")
+        addr = "127.0.0.1" if len(set(self.placement.worker_nodes)) == 1 else _node_ip(self.placement.worker_nodes[0])
+        timeout = self.config.cluster.stage_timeout_s
+        self._gather([w.init_process_group.remote(addr, port, backend, timeout) for w in self.workers],
+                     step=-1, stage="init_process_group")
 
     def _gather(self, refs: list, step: int, stage: str, workers: list[int] | None = None) -> list:
         """Wait for every ref (bounded by the stage timeout); on the first failure
         abort the step everywhere and raise an error naming stage, worker and step."""
         workers = workers if workers is not None else list(range(len(refs)))
         index = {r: i for i, r in enumerate(refs)}
+        self._inflight = list(refs)
         pending, deadline = list(refs), time.monotonic() + self.config.cluster.stage_timeout_s
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -114,9 +118,9 @@ class Controller:
         except RayTaskError as e:
             cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
             self._abort(step, f"stage {stage!r} failed on worker {worker}")
-            if isinstance(cause, StageError):
-                raise StageError(cause.summary, step=cause.step, stage=cause.stage, worker=cause.worker,
-                                 remote_traceback=cause.remote_traceback) from None
+            if isinstance(cause, StageError):  # keep the subclass (BufferLost, StageContractError, ...)
+                raise type(cause)(cause.summary, step=cause.step, stage=cause.stage, worker=cause.worker,
+                                  remote_traceback=cause.remote_traceback) from None
             raise StageError(f"stage {stage!r} failed on worker {worker} (step {step}): "
                              f"{type(cause or e).__name__}: {cause or e}", step=step, stage=stage, worker=worker,
                              remote_traceback=str(e)) from None
@@ -126,16 +130,53 @@ class Controller:
                              step=step, stage=stage, worker=worker, remote_traceback=str(e)) from None
 
     def _abort(self, step: int, reason: str) -> None:
-        """Unblock workers waiting on this step (buffers fail their waiters)."""
-        self.next_stage = 0
-        self.step_index = step + 1
+        """Unblock workers waiting on this step (distributed mode: buffers fail their waiters)."""
+
+    def _settle(self) -> bool:
+        """Wait (bounded) until every worker has left the failed call; False if some
+        are stuck (e.g. in a collective with a failed peer) or dead."""
+        inflight = getattr(self, "_inflight", [])
+        done, pending = ray.wait(inflight, num_returns=len(inflight), timeout=min(60.0, self.config.cluster.stage_timeout_s))
+        dead = False
+        for r in done:
+            try:
+                ray.get(r)
+            except RayActorError:
+                dead = True
+            except Exception:
+                pass
+        return not pending and not dead
+
+    def _rewind(self, step: int) -> None:
+        """After a failed step: put every loader back where the step started, so the
+        next step() runs the same step on the same data (nothing skipped)."""
+        self._current, self.next_stage = [], 0
+        if not self._settle():
+            self.broken = (f"step {step} failed and some workers are dead or still busy in it "
+                           "(a collective waiting for a failed peer?): call resume() to restart them "
+                           "from the last checkpoint")
+            return
+        self._reset_step(step)
+        ray.get([w.rewind.remote() for w in self.workers], timeout=30)
+
+    def _reset_step(self, step: int) -> None:
+        pass
+
+    def _check_usable(self) -> None:
+        if getattr(self, "broken", None):
+            raise RuntimeError(self.broken)
 
     # ---- the cursor ---------------------------------------------------------------------
     def step_stage(self) -> StageReport:
         """Run the next stage on every worker; return what happened."""
+        self._check_usable()
         if self.next_stage == 0:
             self._current, self._step_t0 = [], time.time()
-        report = self._run_stage(self.step_index, self.next_stage)
+        try:
+            report = self._run_stage(self.step_index, self.next_stage)
+        except StageError:
+            self._rewind(self.step_index)
+            raise
         self._current.append(report)
         self.next_stage += 1
         if self.next_stage == len(self.plan.stages):
@@ -144,8 +185,13 @@ class Controller:
 
     def step(self) -> StepReport:
         """Finish the current step (all of it, or what is left after step_stage calls)."""
+        self._check_usable()
         if self.next_stage == 0:
-            self._current, self._step_t0 = self._run_whole_step_timed()
+            try:
+                self._current, self._step_t0 = self._run_whole_step_timed()
+            except StageError:
+                self._rewind(self.step_index)
+                raise
             self.next_stage = len(self.plan.stages)
             return self._finish_step()
         while self.next_stage:
@@ -206,6 +252,7 @@ class Controller:
         self._save_driver_state(d)
         (d / "state.json").write_text(json.dumps({"next_step": self.step_index, "mode": self.mode,
                                                   "fingerprint": self.fingerprint()}, indent=1))
+        self.last_checkpoint = d
         return d
 
     def load_checkpoint(self, directory: str | Path) -> int:
@@ -222,7 +269,21 @@ class Controller:
         self._gather([w.load_checkpoint.remote(str(d)) for w in self.workers], state["next_step"], "load_checkpoint")
         self._load_driver_state(d)
         self.step_index, self.next_stage = state["next_step"], 0
+        self.last_checkpoint = d
         return self.step_index
+
+    def resume(self, directory: str | Path | None = None) -> int:
+        """After a failure (a worker died, a stage timed out): restart every worker
+        and buffer, then load `directory` or the last checkpoint this session saved
+        or loaded. The next step() continues after it."""
+        ckpt = Path(directory) if directory else self.last_checkpoint
+        if ckpt is None:
+            raise RuntimeError("no checkpoint to resume from: call save_checkpoint() during the run "
+                               "(or trainer.checkpoint_every), or pass a directory")
+        self.close()
+        self._current, self.next_stage, self.broken = [], 0, None
+        self._start()
+        return self.load_checkpoint(ckpt)
 
     def _save_driver_state(self, d: Path) -> None:
         pass

@@ -61,6 +61,7 @@ class CentralizedController(Controller):
 
     def _load_on_driver(self, step: int, st) -> None:
         fn = resolve_function(st.fn, node=st.id)
+        self._loaders_at_step_start = [ld.state_dict() for ld in self.loaders]
         with self.rec.span(step, st.id, "load") as sp:
             parts = []
             for r, loader in enumerate(self.loaders):
@@ -103,6 +104,11 @@ class CentralizedController(Controller):
                 self.batch = merged
                 self.rank_sizes = [len(o) for o in outs]
             sp.items, sp.bytes = len(self.batch), merged.nbytes
+
+    def _rewind(self, step: int) -> None:
+        for ld, state in zip(self.loaders, getattr(self, "_loaders_at_step_start", [])):
+            ld.load_state_dict(state)
+        super()._rewind(step)
 
     def _save_driver_state(self, d) -> None:
         import json

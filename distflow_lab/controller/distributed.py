@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
+from ..errors import BufferLost
 from ..reports import StageReport
 from ..worker import WorkerSetup
 from .base import Controller
@@ -35,6 +37,38 @@ class DistributedController(Controller):
         return StageReport(step, index, st.id, self.mode, results, wall_seconds=time.perf_counter() - t0)
 
     def _run_whole_step(self, step: int) -> list[StageReport]:
+        try:
+            return self._run_whole_step_once(step)
+        except BufferLost as e:
+            if not self._can_retry(step, e):
+                raise
+            self._prepare_retry(step, e)
+            return self._run_whole_step_once(step)
+
+    def _can_retry(self, step: int, err: BufferLost) -> bool:
+        """Once per step, and only before any training stage could have changed the model."""
+        train = [s.index for s in self.plan.stages if s.type == "train"]
+        failed = self.plan.stage(err.stage).index
+        return not any(r["step"] == step for r in self.retries) and (not train or failed < min(train))
+
+    def _prepare_retry(self, step: int, err: BufferLost) -> None:
+        deadline = time.monotonic() + self.config.cluster.buffer_wait_timeout_s
+        for b in self.placement.buffers:  # Ray restarts a killed buffer; wait until it answers
+            while True:
+                try:
+                    ray.get(b.ping.remote(), timeout=10)
+                    break
+                except (RayActorError, GetTimeoutError):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+        if not self._settle():
+            raise err
+        self._reset_step(step)
+        ray.get([w.rewind.remote() for w in self.workers])
+        self.retries.append({"step": step, "stage": err.stage, "worker": err.worker, "reason": err.summary})
+
+    def _run_whole_step_once(self, step: int) -> list[StageReport]:
         per_worker = self._gather([w.run_step.remote(step) for w in self.workers], step, "(whole step)")
         reports = []
         for i, st in enumerate(self.plan.stages):
@@ -53,8 +87,10 @@ class DistributedController(Controller):
         if self.placement:
             for b in self.placement.buffers:
                 b.abort.remote(step, reason)
-                b.end_step.remote(step)
-        super()._abort(step, reason)
+
+    def _reset_step(self, step: int) -> None:
+        """Forget the failed attempt in every buffer (after all workers left it), so the step can run again."""
+        ray.get([b.reset_step.remote(step) for b in self.placement.buffers], timeout=30)
 
     def ledger(self):
         """Items in and out of every DataBuffer, per (step, edge): nothing lost, nothing duplicated."""

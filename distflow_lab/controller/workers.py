@@ -69,7 +69,8 @@ def place_buffers(worker_nodes: list[str], num_buffers: int | str, double_buffer
         raise ValueError(f"num_buffers must be >= 1 or 'per_node', got {num_buffers!r}")
     buffer_nodes = [nodes[i % len(nodes)] for i in range(n)]
     buffers = [
-        DataBuffer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        DataBuffer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                           max_restarts=3)  # a killed buffer comes back empty; the step is retried
         .remote(i, double_buffer, wait_timeout_s)
         for i, node in enumerate(buffer_nodes)
     ]

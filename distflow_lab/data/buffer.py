@@ -162,6 +162,16 @@ class DataBuffer:
             self._done.append(self._counts.pop(key))
         return self._store.release(step)
 
+    async def reset_step(self, step: int) -> None:
+        """Forget an aborted attempt of `step` so it can run again (its partial
+        counts stay in the ledger, marked as an aborted attempt)."""
+        for key in [k for k in self._counts if k[0] == step]:
+            c = self._counts.pop(key)
+            self._done.append(_Count(c.step, c.edge + " (aborted attempt)", c.items_reported, c.items_in,
+                                     c.items_out, c.pieces_in, c.pieces_out))
+        self._aborted.pop(step, None)
+        self._store.release(step)
+
     async def abort(self, step: int, reason: str) -> None:
         """Fail every waiter of `step` (a worker died or a stage raised) so nobody hangs."""
         self._aborted[step] = reason

@@ -1,8 +1,15 @@
-"""HTML views of a DAG and its linearized plan (rich reprs in notebooks)."""
+"""Pictures of a DAG and its linearized plan: a plotly figure (`dag_figure`)
+and inline-SVG rich reprs (`dag_html`, `plan_html`; pure strings, no JS, so
+they render in any notebook viewer and in static exports)."""
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .style import EDGE_COLORS, ROLE_COLORS
 
 if TYPE_CHECKING:
     from ..dag import DAG
@@ -11,6 +18,181 @@ if TYPE_CHECKING:
 _EDGE_STYLE = {"local": "color:#2a9d8f", "redistribute": "color:#e76f51;font-weight:bold"}
 
 
+# ---- layout shared by the figure and the SVG ----------------------------------------------------------
+
+def depths(deps: dict[str, list[str]]) -> dict[str, int]:
+    """Logical depth of each node (0 = no deps). Tolerates missing deps and
+    cycles (a back edge counts as depth 0) because reprs must draw DAGs that
+    do not validate yet."""
+    depth: dict[str, int] = {}
+    visiting: set[str] = set()
+
+    def d(u: str) -> int:
+        if u in depth:
+            return depth[u]
+        if u in visiting:
+            return 0
+        visiting.add(u)
+        ds = [d(x) for x in deps[u] if x in deps and x != u]
+        visiting.discard(u)
+        depth[u] = 1 + max(ds) if ds else 0
+        return depth[u]
+
+    for u in deps:
+        d(u)
+    return depth
+
+
+def grid(deps: dict[str, list[str]]) -> dict[str, tuple[int, float]]:
+    """(column, row) per node: column = depth, rows centred within the tallest column."""
+    dep = depths(deps)
+    cols: dict[int, list[str]] = {}
+    for u in deps:  # declaration order within a depth, as the planner
+        cols.setdefault(dep[u], []).append(u)
+    tallest = max((len(v) for v in cols.values()), default=1)
+    return {u: (c, i + (tallest - len(ids)) / 2) for c, ids in cols.items() for i, u in enumerate(ids)}
+
+
+# ---- plotly figure ---------------------------------------------------------------------------------
+
+_HW, _HH = 0.38, 0.3  # box half-width / half-height in axis units
+
+
+def _boxes(fig: go.Figure, nodes: list[tuple[str, float, float, str, str]], axis: str) -> None:
+    """Rounded-ish role-coloured boxes with two-line labels; `axis` is "" or "2"."""
+    for nid, x, y, role, sub in nodes:
+        fig.add_shape(type="rect", x0=x - _HW, x1=x + _HW, y0=y - _HH, y1=y + _HH, xref=f"x{axis}", yref=f"y{axis}",
+                      fillcolor=ROLE_COLORS.get(role, ROLE_COLORS["custom"]), line=dict(color="#555", width=1),
+                      layer="below", name=f"box:{nid}")
+        fig.add_annotation(x=x, y=y, xref=f"x{axis}", yref=f"y{axis}", showarrow=False, name=f"node:{nid}",
+                           text=f"<b>{html.escape(nid)}</b><br><span style='font-size:10px'>{html.escape(sub)}</span>",
+                           font=dict(size=11))
+
+
+def _arrow(fig: go.Figure, a: tuple[float, float], b: tuple[float, float], axis: str, color: str, name: str) -> None:
+    fig.add_annotation(x=b[0] - _HW, y=b[1], ax=a[0] + _HW, ay=a[1], xref=f"x{axis}", yref=f"y{axis}",
+                       axref=f"x{axis}", ayref=f"y{axis}", showarrow=True, arrowhead=3, arrowsize=1.2,
+                       arrowwidth=2 if color != EDGE_COLORS["dep"] else 1.3, arrowcolor=color, text="", name=name)
+
+
+def dag_figure(plan: "Plan") -> go.Figure:
+    """Top: the logical DAG (x = depth, y = order within the depth, one arrow
+    per `plan.logical_edges`). Bottom: the linearized chain every worker runs,
+    its edges green ("local": batch stays in the worker's cache) or orange
+    ("redistribute": through the DataBuffer, with load balancing)."""
+    deps = {s.id: list(s.deps) for s in plan.stages}
+    pos = grid(deps)
+    fig = make_subplots(rows=2, cols=1, row_heights=[0.62, 0.38], vertical_spacing=0.1,
+                        subplot_titles=(f"DAG {plan.dag_name}: logical dependencies",
+                                        f"linearized chain on {plan.world_size} workers (data path)"))
+    top = {u: (c, -r) for u, (c, r) in pos.items()}  # first node of a depth on top
+    _boxes(fig, [(s.id, *top[s.id], s.role, f"{s.role} · dp={s.dp} tp={s.tp}") for s in plan.stages], "")
+    for a, b in plan.logical_edges:
+        _arrow(fig, top[a], top[b], "", EDGE_COLORS["dep"], f"dep:{a}->{b}")
+    _boxes(fig, [(s.id, s.index, 0.0, s.role, f"[{s.index}] dp={s.dp} tp={s.tp}") for s in plan.stages], "2")
+    for e in plan.edges:
+        color = EDGE_COLORS[e.kind]
+        _arrow(fig, (e.src, 0.0), (e.dst, 0.0), "2", color, f"chain:{e.name}")
+        fig.add_annotation(x=(e.src + e.dst) / 2, y=_HH + 0.12, xref="x2", yref="y2", showarrow=False,
+                           text=f"<b>{e.kind}</b>" if e.kind == "redistribute" else e.kind,
+                           font=dict(size=10, color=color), name=f"chain-label:{e.name}")
+    hover = [f"{s.id}<br>role {s.role} · type {s.type}<br>dp={s.dp} tp={s.tp} (group {s.group_size})"
+             f"<br>depth {s.depth}<br>{html.escape(s.fn_name)}" for s in plan.stages]
+    fig.add_trace(go.Scatter(x=[top[s.id][0] for s in plan.stages], y=[top[s.id][1] for s in plan.stages],
+                             mode="markers", marker=dict(size=30, opacity=0), hovertext=hover, hoverinfo="text",
+                             showlegend=False, name="dag"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=[s.index for s in plan.stages], y=[0.0] * len(plan.stages), mode="markers",
+                             marker=dict(size=30, opacity=0), hovertext=hover, hoverinfo="text",
+                             showlegend=False, name="chain"), row=2, col=1)
+    ncols = max(c for c, _ in pos.values()) + 1
+    nrows = max(r for _, r in pos.values()) + 1
+    axis = dict(visible=False, showgrid=False, zeroline=False, fixedrange=True)
+    fig.update_xaxes(axis, range=[-0.55, ncols - 0.45], row=1, col=1)
+    fig.update_yaxes(axis, range=[-nrows + 0.45, 0.55], row=1, col=1)
+    fig.update_xaxes(axis, range=[-0.55, len(plan.stages) - 0.45], row=2, col=1)
+    fig.update_yaxes(axis, range=[-0.55, 0.75], row=2, col=1)
+    fig.update_layout(template="plotly_white", showlegend=False, height=220 + 90 * nrows,
+                      width=max(720, 150 * max(ncols, len(plan.stages))), margin=dict(l=10, r=10, t=50, b=10))
+    return fig
+
+
+# ---- inline SVG -----------------------------------------------------------------------------------
+
+_BW, _BH, _SX, _SY, _PAD = 140, 46, 190, 62, 12  # box size, column/row stride, padding (px)
+
+
+def _svg_box(x: float, y: float, nid: str, sub: str, fill: str) -> str:
+    return (f"<g><title>{html.escape(nid)}</title>"
+            f"<rect x='{x:.0f}' y='{y:.0f}' width='{_BW}' height='{_BH}' rx='6' fill='{fill}' stroke='#555'/>"
+            f"<text x='{x + _BW / 2:.0f}' y='{y + 19:.0f}' text-anchor='middle' font-size='12' "
+            f"font-weight='bold'>{html.escape(nid)}</text>"
+            f"<text x='{x + _BW / 2:.0f}' y='{y + 35:.0f}' text-anchor='middle' font-size='10' "
+            f"fill='#333'>{html.escape(sub)}</text></g>")
+
+
+def _svg_edge(a: tuple[float, float], b: tuple[float, float], kind: str, label: str = "") -> str:
+    """Curved arrow from box a's right edge to box b's left edge (top-left corners given)."""
+    x1, y1, x2, y2 = a[0] + _BW, a[1] + _BH / 2, b[0], b[1] + _BH / 2
+    bend = max(20.0, (x2 - x1) / 2)
+    width = 1.2 if kind == "dep" else 2
+    out = (f"<path d='M{x1:.0f},{y1:.0f} C{x1 + bend:.0f},{y1:.0f} {x2 - bend:.0f},{y2:.0f} {x2 - 2:.0f},{y2:.0f}' "
+           f"fill='none' stroke='{EDGE_COLORS[kind]}' stroke-width='{width}' marker-end='url(#dfl-arrow-{kind})'/>")
+    if label:
+        out += (f"<text x='{(x1 + x2) / 2:.0f}' y='{min(y1, y2) - 5:.0f}' text-anchor='middle' font-size='10' "
+                f"fill='{EDGE_COLORS[kind]}' font-weight='{'bold' if kind == 'redistribute' else 'normal'}'>"
+                f"{html.escape(label)}</text>")
+    return out
+
+
+def _svg(parts: Iterable[str], width: float, height: float) -> str:
+    defs = "".join(
+        f"<marker id='dfl-arrow-{k}' viewBox='0 0 10 10' refX='9' refY='5' markerWidth='7' markerHeight='7' "
+        f"orient='auto'><path d='M0,0 L10,5 L0,10 z' fill='{c}'/></marker>" for k, c in EDGE_COLORS.items())
+    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width:.0f}' height='{height:.0f}' "
+            f"viewBox='0 0 {width:.0f} {height:.0f}' "
+            f"style='width:100%;max-width:{width:.0f}px;height:auto;font-family:sans-serif'>"
+            f"<defs>{defs}</defs>{''.join(parts)}</svg>")
+
+
+def _dag_parts(nodes: list[tuple[str, list[str], str, str]], y0: float) -> tuple[list[str], float, float]:
+    """SVG of (id, deps, role, subtitle) nodes laid out by depth; returns (parts, width, bottom)."""
+    pos = grid({nid: deps for nid, deps, _, _ in nodes})
+    xy = {u: (_PAD + c * _SX, y0 + r * _SY) for u, (c, r) in pos.items()}
+    parts = [_svg_edge(xy[d], xy[nid], "dep") for nid, deps, _, _ in nodes for d in deps if d in xy and d != nid]
+    parts += [_svg_box(*xy[nid], nid, sub, ROLE_COLORS.get(role, ROLE_COLORS["custom"]))
+              for nid, _, role, sub in nodes]
+    width = _PAD * 2 + max((x for x, _ in xy.values()), default=_PAD) - _PAD + _BW
+    bottom = max((y for _, y in xy.values()), default=y0) + _BH
+    return parts, width, bottom
+
+
+def dag_svg(dag: "DAG") -> str:
+    """Inline SVG of a DAG (also of one that does not validate yet)."""
+    nodes = [(n.id, list(n.deps), n.role, f"{n.role}/{n.type} · {n.layout}") for n in dag]
+    parts, width, bottom = _dag_parts(nodes, _PAD)
+    return _svg(parts, width, bottom + _PAD)
+
+
+def plan_svg(plan: "Plan") -> str:
+    """Inline SVG: the logical DAG on top, the linearized chain with local /
+    redistribute edges below."""
+    nodes = [(s.id, list(s.deps), s.role, f"{s.role} · dp={s.dp} tp={s.tp}") for s in plan.stages]
+    parts, width, bottom = _dag_parts(nodes, _PAD + 14)
+    parts.insert(0, f"<text x='{_PAD}' y='{_PAD + 6}' font-size='11' fill='#666'>logical DAG</text>")
+    chain_y = bottom + 48
+    parts.append(f"<text x='{_PAD}' y='{chain_y - 22}' font-size='11' fill='#666'>"
+                 f"linearized chain on {plan.world_size} workers</text>")
+    sx = _BW + 90  # room for the edge label between boxes
+    xy = {s.index: (_PAD + s.index * sx, chain_y) for s in plan.stages}
+    parts += [_svg_edge(xy[e.src], xy[e.dst], e.kind, e.kind) for e in plan.edges]
+    parts += [_svg_box(*xy[s.index], s.id, f"[{s.index}] dp={s.dp} tp={s.tp}",
+                       ROLE_COLORS.get(s.role, ROLE_COLORS["custom"])) for s in plan.stages]
+    width = max(width, _PAD * 2 + (len(plan.stages) - 1) * sx + _BW)
+    return _svg(parts, width, chain_y + _BH + _PAD)
+
+
+# ---- rich reprs ----------------------------------------------------------------------------------
+
 def dag_html(dag: "DAG") -> str:
     rows = "".join(
         f"<tr><td><b>{html.escape(n.id)}</b></td><td>{n.role}</td><td>{n.type}</td>"
@@ -18,7 +200,8 @@ def dag_html(dag: "DAG") -> str:
         f"<td><code>{html.escape(n.fn_name())}</code></td></tr>"
         for n in dag
     )
-    return (f"<b>DAG {html.escape(dag.name)}</b> · {len(dag)} nodes<table>"
+    picture = dag_svg(dag) if len(dag) else ""
+    return (f"<b>DAG {html.escape(dag.name)}</b> · {len(dag)} nodes<div>{picture}</div><table>"
             "<tr><th>id</th><th>role</th><th>type</th><th>deps</th><th>layout</th><th>fn</th></tr>"
             f"{rows}</table>")
 
@@ -31,5 +214,6 @@ def plan_html(plan: "Plan") -> str:
             parts.append(f"<span style='{_EDGE_STYLE[e.kind]}'>&nbsp;—{e.kind}→&nbsp;</span>")
         parts.append(f"<span style='border:1px solid #999;border-radius:4px;padding:2px 4px'>"
                      f"{html.escape(s.id)} <small>dp={s.dp} tp={s.tp}</small></span>")
-    return (f"<b>Plan {html.escape(plan.dag_name)}</b> on {plan.world_size} workers<br>"
-            f"<div style='line-height:2.2'>{''.join(parts)}</div>")
+    table = plan.to_frame().to_html(index=False, escape=True)
+    return (f"<b>Plan {html.escape(plan.dag_name)}</b> on {plan.world_size} workers<div>{plan_svg(plan)}</div>"
+            f"<div style='line-height:2.2'>{''.join(parts)}</div>{table}")
