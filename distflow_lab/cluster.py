@@ -75,7 +75,9 @@ def connect(address: str | None = None, **ray_options: Any) -> ClusterInfo:
     ray_options.setdefault("ignore_reinit_error", True)
     connected_here = not ray.is_initialized()
     if connected_here:
-        ray.init(address=address, **ray_options)
+        # "local": always start a fresh cluster here, never silently attach to one a
+        # `ray start` left on this machine (Ray's default for address=None).
+        ray.init(address=address or "local", **ray_options)
     else:
         started_here = False
     info = ClusterInfo(ray.get_runtime_context().gcs_address, started_here, connected_here).refresh()

@@ -68,6 +68,8 @@ class SessionConfig(Strict):
     """Data-coordinator switches (ablations)."""
     keep_outputs: bool = True
     """Keep each stage's latest output on the workers so `peek` can show samples."""
+    history_steps: int = Field(default=1000, ge=1)
+    """Step reports (spans) the driver keeps; older ones are dropped (metrics rows are all kept)."""
     algo: Any = None
     """Algorithm config visible to stage functions as `ctx.config` (a RunConfig for the built-in algorithms)."""
 

@@ -20,14 +20,16 @@ def _controller(session: Any):
     return getattr(session, "controller", session)
 
 
-def inject(session: Any, target: str, index: int, step: int, stage: str, by_worker: int | None = None) -> None:
+def inject(session: Any, target: str, index: int, step: int, stage: str, by_worker: int | None = None,
+           skip: int = 0) -> None:
     """Plan a fault: when step `step` reaches stage `stage`, kill worker `index`
     (target="worker": that worker exits mid-stage) or DataBuffer `index`
-    (target="buffer": killed by worker `by_worker`, default 0, as the stage starts)."""
+    (target="buffer": killed by worker `by_worker`, default 0, as the stage starts).
+    `skip=n` lets the first n occurrences pass (e.g. strike again when the step is retried)."""
     c = _controller(session)
     c.plan.stage(stage)
     if target == "worker":
-        ray.get(c.workers[index].set_faults.remote([{"step": step, "stage": stage, "action": "exit"}]))
+        ray.get(c.workers[index].set_faults.remote([{"step": step, "stage": stage, "action": "exit", "skip": skip}]))
     elif target == "buffer":
         if not c.placement.buffers:
             raise ValueError("this session has no DataBuffers (centralized mode)")
@@ -35,7 +37,7 @@ def inject(session: Any, target: str, index: int, step: int, stage: str, by_work
             raise ValueError(f"no DataBuffer {index}; the session has {len(c.placement.buffers)}")
         w = 0 if by_worker is None else by_worker
         ray.get(c.workers[w].set_faults.remote([{"step": step, "stage": stage, "action": "kill_buffer",
-                                                 "buffer": index}]))
+                                                 "buffer": index, "skip": skip}]))
     else:
         raise ValueError(f"target must be 'worker' or 'buffer', got {target!r}")
 

@@ -119,9 +119,14 @@ def train(cfg: RunConfig, steps: int | None = None, out: str | Path | None = Non
     steps = cfg.trainer.steps if steps is None else steps
     out = Path(out or cfg.trainer.out_dir)
     with open_session(cfg, progress) as s:
+        warned = False
         for _ in range(steps):
             rep = s.step()
             m = rep.metrics
+            if echo and m.get("rollout/prompts_truncated", 0) > 0 and not warned:
+                warned = True
+                print(f"note: prompts longer than data.max_prompt_len={cfg.data.max_prompt_len} tokens were "
+                      "truncated to their last tokens (metric rollout/prompts_truncated counts them per rank)")
             if echo:
                 print(f"step {rep.step:4d}  reward {m.get('reward/mean', float('nan')):.3f}  "
                       f"resp_len {m.get('response_length/mean', float('nan')):.2f}  "

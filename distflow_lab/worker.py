@@ -159,8 +159,10 @@ class DAGWorker:
         t0 = time.perf_counter()
         if index == 0:
             self._start_step()
+        self.client.note_progress(step, st.id)
+        self._maybe_fault(step, st, "kill_buffer")  # before the input: the fetch meets the dead buffer
         batch, route, hit = self._input(step, st)
-        self._maybe_fault(step, st)
+        self._maybe_fault(step, st, "exit")  # mid-stage: input fetched, compute not done
         out, ctx = self._compute(step, st, batch)
         self._output(step, st, out)
         return self._result(step, st, batch, out, route, hit, ctx, time.perf_counter() - t0)
@@ -235,7 +237,7 @@ class DAGWorker:
         with self.rec.span(step, st.id, "dispatch") as sp:
             batch = ray.get(chunk[0]) if chunk else Batch.empty()
             sp.items, sp.bytes = len(batch), batch.nbytes
-        self._maybe_fault(step, st)
+        self._maybe_fault(step, st, "exit")
         out, ctx = self._compute(step, st, batch)
         delta = len(out) == len(batch) and len(batch) > 0 and len(out.changed_columns(batch)) < len(out.columns)
         refs: list = []
@@ -279,17 +281,21 @@ class DAGWorker:
         return True
 
     def set_faults(self, faults: list[dict]) -> int:
-        """Planned faults: {"step", "stage", "action": "exit" | "kill_buffer", "buffer": i}.
+        """Planned faults: {"step", "stage", "action": "exit" | "kill_buffer", "buffer": i, "skip": n}.
         Real ones: "exit" ends this worker's process mid-stage; "kill_buffer" kills a
         DataBuffer actor (Ray restarts it)."""
         self.faults = list(faults)
         return len(self.faults)
 
-    def _maybe_fault(self, step: int, st: Stage) -> None:
-        for f in getattr(self, "faults", []):
-            if f["step"] == step and f["stage"] == st.id:
+    def _maybe_fault(self, step: int, st: Stage, action: str) -> None:
+        for f in list(getattr(self, "faults", [])):
+            if f["step"] == step and f["stage"] == st.id and f["action"] == action:
+                if f.get("skip", 0) > 0:  # e.g. skip=1: strike on the retry, not the first attempt
+                    f["skip"] -= 1
+                    continue
                 self.faults.remove(f)
                 if f["action"] == "exit":
+                    self.client.flush_progress()
                     os._exit(1)
                 if f["action"] == "kill_buffer":
                     ray.kill(self.s.buffers[f.get("buffer", 0)], no_restart=False)

@@ -66,3 +66,35 @@ def gsm8k_dir() -> Path:
     if not (GSM8K_DIR / "train.jsonl").exists():
         pytest.fail(f"GSM8K not found at {GSM8K_DIR}; set DISTFLOW_GSM8K_DIR")
     return GSM8K_DIR
+
+
+def start_ray_head(num_cpus: int = 2) -> tuple[str, str]:
+    """A separate `ray start --head` cluster (loopback) for tests that need one outside
+    this process: returns (address, temp_dir). Stop it with `stop_ray_head(temp_dir)`."""
+    import subprocess
+    import sys
+    import tempfile
+
+    temp = tempfile.mkdtemp(prefix="dfr", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    port = 25000 + (os.getpid() * 7 + len(os.listdir("/tmp"))) % 4000
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    out = subprocess.run([os.path.join(bindir, "ray"), "start", "--head", f"--port={port}", f"--num-cpus={num_cpus}",
+                          "--include-dashboard=false", f"--temp-dir={temp}"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return f"127.0.0.1:{port}", temp
+
+
+def stop_ray_head(temp: str) -> None:
+    """Kill only the processes of the cluster under `temp` (`ray stop` would kill every
+    Ray process on the machine, this test session's own cluster included)."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"]) if temp in " ".join(p.info["cmdline"] or [])]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=30)

@@ -225,3 +225,17 @@ def test_validate_partition_catches_each_defect(parts, n, k, message):
 def test_validate_partition_accepts_good_partition():
     validate_partition([[0, 3], [1, 2]], 4, 2)
     validate_partition([[], []], 0, 2)
+
+
+def test_routing_handles_a_filtered_batch_with_uneven_counts():
+    """A stage that drops rows leaves N not divisible by the consumers: counts differ by at most one."""
+    from distflow_lab.data.routing import assign
+
+    rng = np.random.default_rng(3)
+    for n, k in [(7, 3), (10, 4), (33, 8)]:
+        lengths = rng.integers(1, 100, n)
+        for policy in ("lpt", "kk", "none"):
+            parts = assign(lengths, k, policy)
+            sizes = [len(p) for p in parts]
+            assert max(sizes) - min(sizes) <= 1, (policy, sizes)
+            assert sorted(np.concatenate(parts).tolist()) == list(range(n))

@@ -35,7 +35,18 @@ def grpo_dag(cfg: RunConfig, data_path: str) -> DAG:
     data = {"source": data_path, "batch_size": cfg.data.prompts_per_step, "shuffle": cfg.data.shuffle}
     fns = {name: f"{__name__}:{name}" for name in
            ("rollout", "reward", "advantage", "old_log_prob", "ref_log_prob", "actor_update")}
-    return grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, name="grpo")
+    return grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, configs=CONTRACTS, name="grpo")
+
+
+# What each stage must add and keep: a replaced stage that breaks it fails with a clear error.
+CONTRACTS = {
+    "rollout": {"outputs": ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "uid"]},
+    "reward": {"outputs": ["scores"], "rows": "same"},
+    "advantage": {"outputs": ["advantages", "returns"], "rows": "same"},
+    "old_log_prob": {"outputs": ["old_log_probs"], "rows": "same"},
+    "ref_log_prob": {"outputs": ["ref_log_probs"], "rows": "same"},
+    "actor_update": {"rows": "same"},
+}
 
 
 # ---- 1. rollout: n sampled responses per prompt ------------------------------------

@@ -18,7 +18,7 @@ from ..dag import DAG
 from ..dags import ppo_shape
 from ..data.batch import Batch
 from .advantages import gae_advantage, masked_mean, outcome_to_token_rewards
-from .grpo import MODEL_INPUTS, _mini_batches
+from .grpo import CONTRACTS, MODEL_INPUTS, _mini_batches
 from .losses import apply_kl_in_reward
 
 SHARED = ("rollout", "reward", "old_log_prob", "ref_log_prob", "actor_update")
@@ -28,7 +28,9 @@ def ppo_dag(cfg: RunConfig, data_path: str) -> DAG:
     data = {"source": data_path, "batch_size": cfg.data.prompts_per_step, "shuffle": cfg.data.shuffle}
     fns = {**{n: f"distflow_lab.algos.grpo:{n}" for n in SHARED},
            **{n: f"{__name__}:{n}" for n in ("values", "advantage", "critic_update")}}
-    return ppo_shape(fns, data, rollout_tp=cfg.rollout.tp, name="ppo")
+    contracts = {**CONTRACTS, "values": {"outputs": ["values"], "rows": "same"},
+                 "critic_update": {"rows": "same"}}
+    return ppo_shape(fns, data, rollout_tp=cfg.rollout.tp, configs=contracts, name="ppo")
 
 
 def values(batch: Batch, ctx: Any) -> Batch:

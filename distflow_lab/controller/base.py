@@ -30,8 +30,7 @@ from .workers import Placement, default_threads, free_port, place_workers
 class Controller:
     mode = "base"
 
-    def __init__(self, dag: DAG, config: Any, engines: str | Callable | None = None,
-                 history: int = 1000) -> None:
+    def __init__(self, dag: DAG, config: Any, engines: str | Callable | None = None) -> None:
         from ..config import SessionConfig
 
         self.config: SessionConfig = config
@@ -39,7 +38,7 @@ class Controller:
         self.plan: Plan = dag.plan(config.cluster.world_size)
         self.engines = engines
         self.step_index, self.next_stage = 0, 0
-        self.history: deque[StepReport] = deque(maxlen=history)
+        self.history: deque[StepReport] = deque(maxlen=config.history_steps)
         self.metric_rows: list[dict] = []
         self.bytes_to_driver = 0
         self._current: list[StageReport] = []
@@ -47,6 +46,11 @@ class Controller:
         self.placement: Placement | None = None
         self.last_checkpoint: Path | None = None
         self.retries: list[dict] = []  # steps re-run after a DataBuffer died
+        first = self.plan.stages[0]
+        if first.type == "data_load":  # bad data fails here, before any worker starts
+            from ..data.loader import check_data_node
+
+            check_data_node(first.config, first.dp)
         if not ray.is_initialized():
             from ..cluster import connect
 

@@ -8,7 +8,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from ..errors import BufferLost
+from ..errors import BufferLost, StageError
 from ..reports import StageReport
 from ..worker import WorkerSetup
 from .base import Controller
@@ -19,6 +19,7 @@ class DistributedController(Controller):
     mode = "distributed"
 
     def _start(self) -> None:
+        self.ledger_rows: list[dict] = getattr(self, "ledger_rows", [])
         p = self._place()
         sw, c = self.config.switches, self.config.cluster
         p.buffers, p.buffer_nodes, p.buffer_of_worker = place_buffers(
@@ -51,17 +52,21 @@ class DistributedController(Controller):
         failed = self.plan.stage(err.stage).index
         return not any(r["step"] == step for r in self.retries) and (not train or failed < min(train))
 
-    def _prepare_retry(self, step: int, err: BufferLost) -> None:
+    def _wait_alive(self, buffer) -> None:
+        """Ray restarts a killed buffer; wait (bounded) until it answers."""
         deadline = time.monotonic() + self.config.cluster.buffer_wait_timeout_s
-        for b in self.placement.buffers:  # Ray restarts a killed buffer; wait until it answers
-            while True:
-                try:
-                    ray.get(b.ping.remote(), timeout=10)
-                    break
-                except (RayActorError, GetTimeoutError):
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.2)
+        while True:
+            try:
+                ray.get(buffer.ping.remote(), timeout=10)
+                return
+            except (RayActorError, GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _prepare_retry(self, step: int, err: BufferLost) -> None:
+        for b in self.placement.buffers:
+            self._wait_alive(b)
         if not self._settle():
             raise err
         self._reset_step(step)
@@ -69,7 +74,14 @@ class DistributedController(Controller):
         self.retries.append({"step": step, "stage": err.stage, "worker": err.worker, "reason": err.summary})
 
     def _run_whole_step_once(self, step: int) -> list[StageReport]:
-        per_worker = self._gather([w.run_step.remote(step) for w in self.workers], step, "(whole step)")
+        try:
+            per_worker = self._gather([w.run_step.remote(step) for w in self.workers], step, "(whole step)")
+        except StageError as e:
+            if e.stage == "(whole step)":  # a worker died or hung: ask the buffers where it was
+                where = self._where(e.worker)
+                raise type(e)(e.summary.replace("'(whole step)'", repr(where)), step=step, stage=where,
+                              worker=e.worker, remote_traceback=e.remote_traceback) from None
+            raise
         reports = []
         for i, st in enumerate(self.plan.stages):
             results = [rs[i] for rs in per_worker]
@@ -78,9 +90,22 @@ class DistributedController(Controller):
             reports.append(StageReport(step, i, st.id, self.mode, results, wall_seconds=wall))
         return reports
 
+    def _where(self, worker: int | None) -> str:
+        """The stage `worker` last started, from the progress notes its node's buffer holds."""
+        try:
+            notes = ray.get(self.placement.buffers[self.placement.buffer_of_worker[worker]].progress.remote(), timeout=10)
+            return notes[worker][1]
+        except Exception:
+            return "(whole step)"
+
     def _end_step(self, step: int) -> float:
         t0 = time.perf_counter()
-        ray.get([b.end_step.remote(step) for b in self.placement.buffers])
+        for b, ref in [(b, b.end_step.remote(step)) for b in self.placement.buffers]:
+            try:
+                self.ledger_rows.extend(ray.get(ref)[1])
+            except RayActorError:  # restarted after this step's data was delivered: let it serve the next
+                self._wait_alive(b)
+                ray.get(b.reset_step.remote(step))
         return time.perf_counter() - t0
 
     def _abort(self, step: int, reason: str) -> None:
@@ -90,13 +115,15 @@ class DistributedController(Controller):
 
     def _reset_step(self, step: int) -> None:
         """Forget the failed attempt in every buffer (after all workers left it), so the step can run again."""
-        ray.get([b.reset_step.remote(step) for b in self.placement.buffers], timeout=30)
+        for rows in ray.get([b.reset_step.remote(step) for b in self.placement.buffers], timeout=30):
+            self.ledger_rows.extend(rows)
 
     def ledger(self):
-        """Items in and out of every DataBuffer, per (step, edge): nothing lost, nothing duplicated."""
+        """Items in and out of every DataBuffer, per (step, edge): nothing lost, nothing duplicated.
+        Collected by the driver at every step end, so it survives a buffer restart."""
         import pandas as pd
 
-        rows = [r for b in self.placement.buffers for r in ray.get(b.ledger.remote())]
+        rows = self.ledger_rows
         if not rows:
             return pd.DataFrame(columns=["step", "edge", "items_reported", "items_in", "items_out"])
         df = pd.DataFrame(rows)

@@ -39,6 +39,10 @@ class BufferError(RuntimeError):
     """A redistribution that cannot complete; names the step, edge and missing parties."""
 
 
+class BufferRestarted(BufferError):
+    """This buffer was killed and restarted by Ray: the step in flight lost its data here."""
+
+
 @dataclass
 class _Edge:
     lengths: dict[int, np.ndarray] = field(default_factory=dict)
@@ -68,12 +72,19 @@ class DataBuffer:
         self._counts: dict[tuple[int, str], _Count] = {}
         self._done: deque[_Count] = deque(maxlen=10_000)
         self._aborted: dict[int, str] = {}
+        self._progress: dict[int, tuple[int, str]] = {}  # worker -> (step, stage) last started
+        # A restarted buffer has lost its state: refuse the steps in flight until the
+        # driver has reset them (reset_step), instead of waiting for pieces that never come.
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._accept_from = float("inf") if self.restarted else float("-inf")
         self.node_id = ray.get_runtime_context().get_node_id()
         gc.collect()
         gc.freeze()  # keep the event loop's GC pauses short (Ray's own objects are many)
 
     # ---- helpers --------------------------------------------------------------
     def _edge(self, step: int, edge: str) -> _Edge:
+        if step < self._accept_from:
+            raise BufferRestarted(f"buffer {self.index} was restarted: the data of step {step} edge {edge} is lost")
         if step in self._aborted:
             raise BufferError(f"step {step} was aborted: {self._aborted[step]}")
         store = self._store.store(step)
@@ -156,21 +167,38 @@ class DataBuffer:
         return got
 
     # ---- step lifecycle --------------------------------------------------------
-    async def end_step(self, step: int) -> float:
-        """Release the step's store (background with the double buffer). Returns critical-path seconds."""
+    async def end_step(self, step: int) -> tuple[float, list[dict]]:
+        """Release the step's store (background with the double buffer). Returns the
+        critical-path seconds and the step's item counts (the driver keeps them: they
+        survive this actor)."""
+        counts = []
         for key in [k for k in self._counts if k[0] <= step]:
-            self._done.append(self._counts.pop(key))
-        return self._store.release(step)
+            c = self._counts.pop(key)
+            self._done.append(c)
+            counts.append({**c.__dict__, "buffer": self.index})
+        return self._store.release(step), counts
 
-    async def reset_step(self, step: int) -> None:
+    async def reset_step(self, step: int) -> list[dict]:
         """Forget an aborted attempt of `step` so it can run again (its partial
         counts stay in the ledger, marked as an aborted attempt)."""
+        aborted = []
         for key in [k for k in self._counts if k[0] == step]:
             c = self._counts.pop(key)
-            self._done.append(_Count(c.step, c.edge + " (aborted attempt)", c.items_reported, c.items_in,
-                                     c.items_out, c.pieces_in, c.pieces_out))
+            c = _Count(c.step, c.edge + " (aborted attempt)", c.items_reported, c.items_in, c.items_out,
+                       c.pieces_in, c.pieces_out)
+            self._done.append(c)
+            aborted.append({**c.__dict__, "buffer": self.index})
         self._aborted.pop(step, None)
+        self._accept_from = min(self._accept_from, step)
         self._store.release(step)
+        return aborted
+
+    async def note_progress(self, worker: int, step: int, stage: str) -> None:
+        """Workers say which stage they start (fire and forget): who was where when one died."""
+        self._progress[worker] = (step, stage)
+
+    async def progress(self) -> dict[int, tuple[int, str]]:
+        return dict(self._progress)
 
     async def abort(self, step: int, reason: str) -> None:
         """Fail every waiter of `step` (a worker died or a stage raised) so nobody hangs."""

@@ -10,12 +10,13 @@ from contextlib import contextmanager
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from ..errors import BufferLost
 from ..planner import Edge, Stage
 from ..telemetry import SpanRecorder
 from .batch import Batch
+from .buffer import BufferRestarted
 from .routing import item_lengths
 
 
@@ -30,10 +31,21 @@ class BufferClient:
     def _guard(self, step: int, edge: Edge, stage: Stage):
         try:
             yield
-        except RayActorError as e:  # the buffer actor died or is restarting
+        except (RayActorError, RayTaskError) as e:  # died, restarting, or restarted without the step's data
+            if isinstance(e, RayTaskError) and not isinstance(getattr(e, "cause", None), BufferRestarted):
+                raise
             raise BufferLost(f"a DataBuffer died during step {step} on edge {edge.name} (stage {stage.id!r}, "
                              f"worker {self.rank}): {type(e).__name__}", step=step, stage=stage.id,
                              worker=self.rank) from None
+
+    def note_progress(self, step: int, stage: str) -> None:
+        if self.buffers:  # fire and forget: never on the critical path
+            self.last_note = self._buffer_of(self.rank).note_progress.remote(self.rank, step, stage)
+
+    def flush_progress(self) -> None:
+        """Make sure the last progress note arrived (before a planned exit)."""
+        if getattr(self, "last_note", None) is not None:
+            ray.get(self.last_note, timeout=5)
 
     def publish(self, step: int, edge: Edge, st: Stage, consumer: Stage, out: Batch, policy: str) -> None:
         """Report lengths, get the routing plan, put one object per destination node."""

@@ -19,10 +19,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..errors import FriendlyError
 from .batch import Batch
 
 
-class DataSourceError(ValueError):
+class DataSourceError(FriendlyError, ValueError):
     """A dataset that cannot be read; the message names the file (and line/row)."""
 
 
@@ -142,6 +143,32 @@ def shard_bounds(n: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
     return start, start + base + (1 if dp_rank < extra else 0)
 
 
+def check_shards(name: str, n: int, dp_size: int, local_batch: int) -> list[int]:
+    """Shard sizes, or a clear error if some rank would get no rows or less than a step's batch."""
+    sizes = [b - a for a, b in (shard_bounds(n, dp_size, r) for r in range(dp_size))]
+    if min(sizes) == 0:
+        empty = [r for r, s in enumerate(sizes) if s == 0]
+        raise DataSourceError(f"dataset {name} has {n} rows: too few for {dp_size} data-parallel "
+                              f"ranks (ranks {empty} would get an empty shard)")
+    if local_batch < 1 or local_batch > min(sizes):
+        raise DataSourceError(f"dataset {name}: local batch {local_batch} does not fit the "
+                              f"smallest shard ({min(sizes)} rows on {dp_size} ranks)")
+    return sizes
+
+
+def check_data_node(config: dict[str, Any], dp_size: int) -> list[int]:
+    """What `make_loader` would check, from metadata only (row counts), so a bad data
+    node fails in the driver before any worker starts."""
+    source = config.get("source")
+    if source is None:
+        raise DataSourceError("data node config needs 'source' (a .parquet/.jsonl path or 'synthetic')")
+    batch_size = int(config.get("batch_size", dp_size))
+    if batch_size % dp_size:
+        raise DataSourceError(f"data batch_size {batch_size} is not divisible by the data-parallel size {dp_size}")
+    n = int(config.get("num_rows", 4 * batch_size)) if source == "synthetic" else open_source(source).num_rows()
+    return check_shards(str(source), n, dp_size, batch_size // dp_size)
+
+
 @dataclass
 class ShardReport:
     source: str
@@ -171,14 +198,7 @@ class ShardedLoader:
         n = self.source.num_rows()
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
-        sizes = [b - a for a, b in (shard_bounds(n, dp_size, r) for r in range(dp_size))]
-        if min(sizes) == 0:
-            empty = [r for r, s in enumerate(sizes) if s == 0]
-            raise DataSourceError(f"dataset {self.source.name} has {n} rows: too few for {dp_size} data-parallel "
-                                  f"ranks (ranks {empty} would get an empty shard)")
-        if local_batch < 1 or local_batch > min(sizes):
-            raise DataSourceError(f"dataset {self.source.name}: local batch {local_batch} does not fit the "
-                                  f"smallest shard ({min(sizes)} rows on {dp_size} ranks)")
+        sizes = check_shards(self.source.name, n, dp_size, local_batch)
         self.dp_rank, self.dp_size, self.local_batch = dp_rank, dp_size, local_batch
         self.seed, self.shuffle = seed, shuffle
         self.start, self.stop = shard_bounds(n, dp_size, dp_rank)

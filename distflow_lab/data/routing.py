@@ -30,11 +30,19 @@ def item_lengths(batch: "Batch") -> np.ndarray:
 
 
 def assign(lengths: np.ndarray, consumers: int, policy: BalancePolicy) -> list[np.ndarray]:
-    """Partition item indices [0, N) over `consumers` ranks; each part sorted ascending."""
+    """Partition item indices [0, N) over `consumers` ranks; each part sorted ascending.
+
+    Equal counts per rank (Algorithm 1's constraint). When N is not a multiple of
+    the rank count (a stage filtered rows), zero-length placeholders pad it to
+    one and are dropped afterwards: counts then differ by at most one.
+    """
     n = len(lengths)
-    if n % consumers:
-        raise ValueError(f"{n} items cannot be split evenly over {consumers} data-parallel ranks "
-                         "(make the batch a multiple of the data-parallel size)")
+    pad = (-n) % consumers
+    if pad and policy == "none":
+        return [p.astype(np.int64) for p in np.array_split(np.arange(n), consumers)]
+    if pad:
+        padded = np.concatenate([np.asarray(lengths), np.zeros(pad, dtype=np.asarray(lengths).dtype)])
+        return [p[p < n] for p in assign(padded, consumers, policy)]
     if policy == "lpt":
         parts = constrained_lpt(lengths, consumers)
     elif policy == "kk":

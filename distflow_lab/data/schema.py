@@ -21,10 +21,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..errors import FriendlyError
+
 REQUIRED_COLUMNS: tuple[str, ...] = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 
 
-class DatasetError(ValueError):
+class DatasetError(FriendlyError, ValueError):
     """A dataset file is missing, unreadable, or does not follow the verl schema."""
 
 

@@ -1,0 +1,93 @@
+"""Long-run memory: worker RSS, driver RSS and Ray object-store usage sampled
+every few steps of the synthetic workload. They must stay flat after warm-up
+(the double buffer really frees old steps; the driver never holds a batch in
+distributed mode).
+
+    distflow-lab bench memory --steps 200 --mode distributed --json runs/memory.json --html runs/memory.html
+"""
+from __future__ import annotations
+
+import argparse
+import re
+
+import numpy as np
+import pandas as pd
+import psutil
+import ray
+from tqdm.auto import tqdm
+
+from .. import controller
+from ..synthetic import synthetic_grpo
+from .common import print_table, write_json
+
+
+def object_store_bytes() -> int:
+    """Bytes in Ray's object stores (all nodes), from Ray's memory summary."""
+    from ray._private.internal_api import memory_summary
+
+    m = re.search(r"Plasma memory usage (\d+) MiB", memory_summary(stats_only=True))
+    return int(m.group(1)) * 2**20 if m else 0
+
+
+def sample(session, step: int) -> dict:
+    workers = ray.get([w.memory.remote() for w in session.workers])
+    rss = [w["rss"] for w in workers]
+    return {"step": step, "driver_rss": psutil.Process().memory_info().rss, "worker_rss_max": max(rss),
+            "worker_rss_mean": float(np.mean(rss)), "object_store": object_store_bytes()}
+
+
+def run(steps: int = 200, mode: str = "distributed", batch: int = 64, context: int = 1024, workers: int = 4,
+        every: int = 5, progress: bool = True, **switches) -> pd.DataFrame:
+    from ..cluster import connect
+
+    connect(num_cpus=2 * workers)
+    dag = synthetic_grpo(batch_size=batch // 4, n=4, max_prompt_len=context // 2, max_response_len=context // 2,
+                         rollout_tp=2 if workers % 2 == 0 and workers > 2 else 1)
+    # keep_outputs off and a short span history: what is left to grow is the system itself
+    s = controller.create(dag, world_size=workers, mode=mode, keep_outputs=False, history_steps=10, **switches)
+    rows = []
+    try:
+        for i in tqdm(range(steps), desc=f"memory ({mode})", disable=not progress, leave=False):
+            s.step()
+            if i % every == 0 or i == steps - 1:
+                rows.append(sample(s, i))
+    finally:
+        s.close()
+    return pd.DataFrame(rows)
+
+
+def growth(df: pd.DataFrame, column: str, warmup: int = 10) -> float:
+    """Bytes gained from the first sample after `warmup` steps to the mean of the last three samples."""
+    after = df[df["step"] >= warmup]
+    return float(after[column].tail(3).mean() - after[column].iloc[0]) if len(after) else 0.0
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    ap = argparse.ArgumentParser(prog="distflow-lab bench memory", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--mode", default="distributed", choices=["distributed", "centralized"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--json")
+    ap.add_argument("--html")
+    a = ap.parse_args(argv)
+    df = run(a.steps, a.mode, a.batch, a.context, a.workers, a.every)
+    mib = {c: growth(df, c) / 2**20 for c in ("driver_rss", "worker_rss_max", "object_store")}
+    print_table([{"mode": a.mode, "steps": a.steps, **{f"{k}_growth_mib": round(v, 2) for k, v in mib.items()}}],
+                title="memory growth after warm-up (MiB)")
+    write_json(df.to_dict("records"), a.json)
+    if a.html:
+        import plotly.express as px
+
+        long = df.melt("step", ["driver_rss", "worker_rss_max", "worker_rss_mean", "object_store"])
+        long["MiB"] = long["value"] / 2**20
+        px.line(long, x="step", y="MiB", color="variable", title=f"memory over {a.steps} steps ({a.mode})") \
+            .write_html(a.html, include_plotlyjs="inline")
+    return df
+
+
+if __name__ == "__main__":
+    main()

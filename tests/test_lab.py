@@ -1,0 +1,139 @@
+"""The notebook API end to end: connect/attach/shutdown, stepping a stage,
+decoded peeks, the Chrome trace against the trace-event schema, the HTML
+report with every figure, and the CLI on the tiny preset."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jsonschema
+import pytest
+
+import distflow_lab as lab
+from distflow_lab.synthetic import synthetic_grpo
+
+from .conftest import start_ray_head, stop_ray_head
+
+PY = sys.executable
+
+
+def _run(code: str, timeout: int = 120, env: dict | None = None) -> str:
+    out = subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_connect_twice_reuses_and_attach_does_not_stop_the_cluster():
+    """In fresh processes: connect() starts a loopback cluster and reuses it; attaching
+    to a running cluster and calling shutdown() leaves that cluster running."""
+    out = _run("""
+        from distflow_lab import cluster
+        a = cluster.connect(num_cpus=1, log_to_driver=False)
+        b = cluster.connect()
+        print(a.started_here, b is a, a.address.startswith("127.0.0.1"), "CPUs" in repr(a), "<table>" in a._repr_html_())
+        cluster.shutdown()
+        import ray; print(ray.is_initialized())
+    """)
+    assert out.split() == ["True", "True", "True", "True", "True", "False"]
+    address, temp = start_ray_head(num_cpus=1)
+    try:
+        attach = f"""
+            from distflow_lab import cluster
+            info = cluster.connect(address="{address}", log_to_driver=False)
+            print(info.started_here, len(info.nodes))
+            cluster.shutdown()
+        """
+        assert _run(attach).split() == ["False", "1"]
+        assert _run(attach).split() == ["False", "1"]  # still there after the first one's shutdown()
+    finally:
+        stop_ray_head(temp)
+
+
+@pytest.fixture(scope="module")
+def synth(ray_cluster):
+    s = lab.session(synthetic_grpo(batch_size=8, n=4, max_prompt_len=64, max_response_len=64, rollout_tp=2),
+                    world_size=4)
+    yield s
+    s.close()
+
+
+def test_step_stage_reports_real_numbers(synth):
+    rep = synth.step_stage()
+    assert rep.stage_id == "data" and synth.cursor == (0, "rollout")
+    rep = synth.step_stage()
+    s = rep.summary()
+    assert s["items"] == 32 and s["tokens"] > 0 and rep.wall_seconds > 0
+    assert (rep.per_worker()["compute"] > 0).all()
+    rest = synth.step()
+    assert len(rest.stages) == 7 and synth.cursor == (1, "data")
+    assert "Session" in repr(synth) and "<svg" in synth._repr_html_()
+
+
+def test_trace_matches_the_chrome_trace_event_schema(synth, tmp_path):
+    synth.run(2, progress=False)
+    path = synth.trace(tmp_path / "trace.json")
+    trace = json.loads(path.read_text())
+    schema = {
+        "type": "object", "required": ["traceEvents"],
+        "properties": {"traceEvents": {"type": "array", "items": {"oneOf": [
+            {"type": "object", "required": ["ph", "name", "ts", "dur", "pid", "tid"],
+             "properties": {"ph": {"const": "X"}, "name": {"type": "string"}, "ts": {"type": "number", "minimum": 0},
+                            "dur": {"type": "number", "minimum": 0}, "pid": {"type": "integer"},
+                            "tid": {"type": "integer"}, "args": {"type": "object"}}},
+            {"type": "object", "required": ["ph", "name", "pid", "args"],
+             "properties": {"ph": {"const": "M"}, "name": {"enum": ["process_name", "thread_name"]},
+                            "args": {"type": "object", "required": ["name"]}}},
+        ]}}},
+    }
+    jsonschema.validate(trace, schema)
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(x) == len(synth.spans)
+    threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert threads == {f"worker {i}" for i in range(4)}
+
+
+def test_report_contains_every_figure(synth, tmp_path):
+    synth.run(1, progress=False)
+    fig, table = synth.breakdown()
+    assert "total" in table.index
+    assert synth.load_balance().layout.shapes  # the lower-bound line
+    path = synth.report(tmp_path / "report.html")
+    html = path.read_text()
+    for fid in ("fig-dag", "fig-timeline", "fig-breakdown", "fig-cache", "fig-balance", "fig-metrics", "config"):
+        assert f'id="{fid}"' in html or f"id='{fid}'" in html, fid
+    assert html.count("plotly.js v") == 1 and "<script src=\"http" not in html
+
+
+@pytest.fixture(scope="module")
+def rl_base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lab-rl")
+    return [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data", f"trainer.out_dir={d}/out"]
+
+
+def test_peek_returns_decoded_samples(ray_cluster, rl_base):
+    with lab.rl_session("tiny-cpu-grpo", rl_base + ["data.prompts_per_step=8"], progress=False) as s:
+        s.step()
+        df = s.peek("advantage", worker=1, n=3)
+        assert len(df) == 3 and (df["worker"] == 1).all()
+        assert {"prompt", "response", "scores", "advantages(mean)", "ground_truth"} <= set(df.columns)
+        assert df["prompt"].str.fullmatch(r"\d\+\d=").all()  # the arithmetic prompts, decoded
+        with pytest.raises(KeyError, match="no stage"):
+            s.peek("nope")
+
+
+def test_cli_run_writes_everything(rl_base, tmp_path):
+    out = tmp_path / "run"
+    res = subprocess.run([os.path.join(os.path.dirname(PY), "distflow-lab"), "run", "tiny-cpu-grpo", "--steps", "3",
+                          "--out", str(out), *rl_base, "data.prompts_per_step=8"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("reward") == 3
+    for f in ("metrics.parquet", "spans.parquet", "trace.json", "report.html"):
+        assert (out / f).stat().st_size > 0, f
+    bad = subprocess.run([os.path.join(os.path.dirname(PY), "distflow-lab"), "run", "tiny-cpu-grpo", "actor.nope=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "actor.nope: unknown key" in bad.stdout
