@@ -322,7 +322,8 @@ class RunConfig(Strict):
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """A RunConfig from a YAML file or preset name (see `presets/`) plus `a.b=value` overrides."""
+    """A RunConfig from a YAML file or preset name (see `presets/`) plus `a.b=value` overrides.
+    Relative model/data/output paths resolve under $DISTFLOW_HOME when it is set."""
     data: dict = {}
     source = "<defaults>"
     if path is not None:
@@ -332,7 +333,21 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
         data, source = read_yaml(p), str(p)
     cfg = load_model(RunConfig, apply_overrides(data, list(overrides or [])), source)
     cfg.check_sizes()
-    return cfg
+    return resolve_paths(cfg)
+
+
+def resolve_paths(cfg: RunConfig) -> RunConfig:
+    import os
+
+    home = os.environ.get("DISTFLOW_HOME")
+    if not home:
+        return cfg
+    fix = lambda p: p if Path(p).is_absolute() else str(Path(home) / p)  # noqa: E731
+    return cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"path": fix(cfg.model.path)}),
+        "data": cfg.data.model_copy(update={"cache_dir": fix(cfg.data.cache_dir)}),
+        "trainer": cfg.trainer.model_copy(update={"out_dir": fix(cfg.trainer.out_dir)}),
+    })
 
 
 PRESETS = Path(__file__).parent / "presets"
