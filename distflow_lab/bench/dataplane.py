@@ -90,8 +90,11 @@ def start_cluster(nodes: int, max_workers: int):
 
 
 def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int = 5, n: int = 4,
-        rollout_tp: int = 2, modes: tuple[str, ...] = ("distributed", "centralized"),
+        rollout_tp: int = 2, modes: tuple[str, ...] | None = None,
         json_path: str | None = None, control: bool = True, nodes: int = 1) -> list[dict]:
+    from . import verl_peer
+
+    modes = modes or ("distributed", "centralized", *(("verl",) if verl_peer.available() else ()))
     sim_cluster = start_cluster(nodes, max(workers))
     bw = memcpy_gbps()
     records: list[dict] = []
@@ -100,7 +103,8 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
         tp = rollout_tp if w % rollout_tp == 0 and w > rollout_tp else 1
         dag = synthetic_grpo(batch_size=batch // n, n=n, max_prompt_len=ctx_len // 2, max_response_len=ctx_len // 2,
                              rollout_tp=tp)
-        by_mode = {m: measure(dag, m, w, repeats) for m in modes}
+        by_mode = {m: verl_peer.measure(dag.plan(w), w, repeats) if m == "verl" else measure(dag, m, w, repeats)
+                   for m in modes}
         for m, steps in by_mode.items():
             dp = summarize(r["data_plane_s"] for r in steps)
             records.append({
@@ -108,17 +112,21 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
                 "data_plane_s_median": dp["median"], "data_plane_s_min": dp["min"], "data_plane_s_max": dp["max"],
                 "step_s_median": summarize(r["wall_s"] for r in steps)["median"],
                 "compute_s_median": summarize(r["compute_s"] for r in steps)["median"],
-                "bytes_moved": int(np.median([r["bytes_moved"] for r in steps])), "memcpy_gbps": bw,
+                "bytes_moved": int(np.median([r.get("bytes_moved", 0) for r in steps])), "memcpy_gbps": bw,
                 "repeats": len(steps),
-                "breakdown": steps[len(steps) // 2]["breakdown"].round(5).reset_index().to_dict("records"),
+                "breakdown": (steps[len(steps) // 2]["breakdown"].round(5).reset_index().to_dict("records")
+                              if "breakdown" in steps[0] else None),
             })
         if {"distributed", "centralized"} <= set(by_mode):
             d = np.median([r["data_plane_s"] for r in by_mode["distributed"]])
             c = np.median([r["data_plane_s"] for r in by_mode["centralized"]])
             for r in records[-len(by_mode):]:
                 r["dist_over_central"] = float(d / c) if c > 0 else None
+                if "verl" in by_mode:
+                    v = np.median([x["data_plane_s"] for x in by_mode["verl"]])
+                    r["dist_over_verl"] = float(d / v) if v > 0 else None
     cols = ["mode", "workers", "nodes", "context", "batch", "data_plane_s_median", "data_plane_s_min", "data_plane_s_max",
-            "bytes_moved", "dist_over_central", "step_s_median", "memcpy_gbps"]
+            "bytes_moved", "dist_over_central", "dist_over_verl", "step_s_median", "memcpy_gbps"]
     print_table(records, cols, title=f"data plane, seconds per step (median/min/max of {repeats} steps)")
     if control:
         ctrl = [control_plane_overhead(w) for w in workers]
@@ -144,11 +152,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=5, help="measured steps per mode and configuration")
     ap.add_argument("--rollout-tp", type=int, default=2)
     ap.add_argument("--nodes", type=int, default=1, help="simulate this many Ray nodes (ray.cluster_utils.Cluster)")
+    ap.add_argument("--modes", default=None, help="comma-separated: distributed,centralized,verl (verl needs "
+                    "scripts/install_bench.sh; default: all that are available)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-control", action="store_true", help="skip the control-plane overhead measurement")
     a = ap.parse_args(argv)
-    return run(a.workers, a.context, a.batch, a.repeats, a.n, a.rollout_tp, json_path=a.json, control=not a.no_control,
-               nodes=a.nodes)
+    modes = tuple(a.modes.split(",")) if a.modes else None
+    return run(a.workers, a.context, a.batch, a.repeats, a.n, a.rollout_tp, modes=modes, json_path=a.json,
+               control=not a.no_control, nodes=a.nodes)
 
 
 if __name__ == "__main__":
