@@ -69,7 +69,14 @@ class StageContext:
     loader: ShardedLoader | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     recorder: SpanRecorder | None = None
+    groups: dict[str, Any] = field(default_factory=dict)  # stage id -> this worker's dp process group
     _rng: torch.Generator | None = None
+
+    @property
+    def process_group(self) -> Any:
+        """The torch.distributed group of this stage's layout that holds this worker:
+        the ranks with the same tensor-parallel rank (None without torch.distributed)."""
+        return self.groups.get(self.stage.id)
 
     def span(self, phase: str, **counts):
         """Time a part of this stage as its own span (e.g. "weight_sync")."""
@@ -112,6 +119,7 @@ class DAGWorker:
         self.rec.mode = s.mode
         torch.set_num_threads(max(1, s.threads))
         self.fns = [resolve_function(st.fn, node=st.id) for st in self.plan.stages]
+        self.groups = self._layout_groups()
         self.client = BufferClient(s.buffers, s.buffer_of_worker, self.rank, self.rec)
         first = self.plan.stages[0]
         if first.type == "data_load" and s.mode == "distributed":
@@ -122,6 +130,23 @@ class DAGWorker:
         gc.freeze()  # start-up objects (torch, Ray) leave the GC's view: later collections stay short
         return {"rank": self.rank, "node": self.node, "pid": os.getpid(),
                 "loader": self.loader.report.__dict__ if self.loader else None}
+
+    def _layout_groups(self) -> dict[str, Any]:
+        """One process group per stage layout (collective: every worker creates every
+        group in the same order); each stage gets the group that holds this worker."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return {}
+        made: dict[tuple[int, int], Any] = {}
+        for st in self.plan.stages:
+            key = (st.dp, st.group_size)
+            if key not in made:
+                for g in range(st.group_size):
+                    group = dist.new_group([d * st.group_size + g for d in range(st.dp)])
+                    if st.group_rank(self.rank) == g:
+                        made[key] = group
+        return {st.id: made[(st.dp, st.group_size)] for st in self.plan.stages}
 
     def init_process_group(self, master_addr: str, port: int, backend: str = "gloo",
                            timeout_s: float = 300.0) -> bool:
@@ -226,7 +251,7 @@ class DAGWorker:
         dp_rank = st.dp_rank(self.rank)
         return StageContext(step, st, self.rank, self.world_size, dp_rank, st.dp, st.group_rank(self.rank),
                             stage_seed(self.s.seed, step, st.index, dp_rank), self.node, self.s.config,
-                            self.engines, self.loader, recorder=self.rec)
+                            self.engines, self.loader, recorder=self.rec, groups=getattr(self, "groups", {}))
 
     # ---- centralized mode ----------------------------------------------------------
     def run_stage_centralized(self, step: int, index: int, chunk: list) -> tuple[list, bool, StageResult]:

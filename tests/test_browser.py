@@ -266,7 +266,8 @@ _CELLS_JS = """() => {
 # What is rendered: plotly figures (title, trace names, drawn bars) and the stepper.
 _RENDERED_JS = """() => {
   const text = el => (el.textContent || '').trim();
-  const plots = Array.from(document.querySelectorAll('.jp-OutputArea .js-plotly-plot')).map(el => {
+  const plots = Array.from(document.querySelectorAll('.jp-OutputArea .js-plotly-plot')).map((el, i) => {
+    el.setAttribute('data-dfl-plot', String(i));  // for element screenshots
     const lay = el.layout || {};
     const title = typeof lay.title === 'string' ? lay.title : ((lay.title && lay.title.text) || '');
     const svgTitle = el.querySelector('.gtitle');
@@ -285,6 +286,7 @@ _RENDERED_JS = """() => {
     const buttons = Array.from(box.querySelectorAll('button')).map(text);
     if (!buttons.includes('step stage')) continue;
     const plot = box.querySelector('.js-plotly-plot');
+    box.setAttribute('data-dfl-stepper', String(steppers.length));
     steppers.push({
       buttons,
       plot: !!(plot && plot.querySelector('svg.main-svg')),
@@ -299,6 +301,14 @@ _RENDERED_JS = """() => {
     widgetErrors: ['Error displaying widget', 'Error rendering output', 'Failed to display'].filter(s => body.includes(s)),
     loadingWidgets: document.querySelectorAll('.jupyter-widgets-view-loading, .jp-OutputArea-output .lm-Widget .fa-spinner').length,
   };
+}"""
+
+# Height the viewport needs to show the whole notebook (it scrolls inside its panel).
+_NOTEBOOK_HEIGHT_JS = """() => {
+  const n = window.jupyterapp.shell.currentWidget.content.node;
+  const els = [n, ...n.querySelectorAll('.jp-WindowedPanel-outer, .jp-WindowedPanel-inner, .jp-WindowedPanel-viewport')];
+  const hidden = Math.max(0, ...els.map(e => e.scrollHeight - e.clientHeight));
+  return Math.ceil(window.innerHeight + hidden + 40);
 }"""
 
 
@@ -402,24 +412,23 @@ def run_notebook_in_browser(notebook: Path, tmp: Path) -> dict:
 
                 # Grow the viewport to the whole notebook (JupyterLab scrolls inside the panel, so a
                 # plain full-page shot would only show the first screen), then shoot.
-                height = page.evaluate("""() => {
-                  const n = window.jupyterapp.shell.currentWidget.content.node;
-                  const top = n.getBoundingClientRect().top;
-                  return Math.ceil(top + n.scrollHeight + 40);
-                }""")
-                page.set_viewport_size({"width": VIEWPORT["width"],
-                                        "height": max(VIEWPORT["height"], min(int(height), MAX_SHOT_HEIGHT))})
-                page.wait_for_timeout(2000)
+                for _ in range(3):  # re-measure: outputs reflow when the viewport grows
+                    height = min(page.evaluate(_NOTEBOOK_HEIGHT_JS), MAX_SHOT_HEIGHT)
+                    if height <= page.viewport_size["height"]:
+                        break
+                    page.set_viewport_size({"width": VIEWPORT["width"], "height": height})
+                    page.wait_for_timeout(2000)
                 page.screenshot(path=str(shot), full_page=True)
-                stepper_button = page.get_by_role("button", name="step stage", exact=True)
-                for name, loc in (("timeline", page.locator(".jp-OutputArea-output .js-plotly-plot").first),
-                                  ("stepper", page.locator(".jp-OutputArea-output .widget-vbox")
-                                   .filter(has=stepper_button).first)):
+                rendered = page.evaluate(_RENDERED_JS)  # (re)marks the elements
+                timeline_ix = next((i for i, p in enumerate(rendered["plots"])
+                                    if _timeline_ok(p) and not p["inWidget"]), 0)
+                for name, sel in (("timeline", f"[data-dfl-plot='{timeline_ix}']"),
+                                  ("stepper", "[data-dfl-stepper='0']")):
                     try:
-                        loc.screenshot(path=str(tmp / f"{name}.png"), timeout=10_000)
+                        page.locator(sel).first.screenshot(path=str(tmp / f"{name}.png"), timeout=10_000)
                         result[f"{name}_png"] = tmp / f"{name}.png"
-                    except Exception:
-                        pass
+                    except Exception as e:  # the element shots are for humans; the check is above
+                        result[f"{name}_png"] = f"not taken: {type(e).__name__}"
                 result["console"] = console[-20:]
                 assert _rendered_ok(rendered), (
                     "timeline and stepper not rendered:\n" + json.dumps(rendered, indent=1)[:4000]

@@ -195,3 +195,35 @@ def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
         assert s.step_index == 0
     finally:
         s.close()
+
+
+def test_one_process_group_per_stage_layout(ray_cluster):
+    """With torch.distributed on, each stage sees the group of its layout holding this worker:
+    the tensor-parallel replicas of the rollout layout are in different groups."""
+    import torch.distributed as dist
+
+    def probe(batch, ctx):
+        g = ctx.process_group
+        ranks = dist.get_process_group_ranks(g)
+        t = torch.ones(1)
+        dist.all_reduce(t, group=g)  # a real collective over the layout's group
+        ctx.log(**{f"group_size/{ctx.stage.id}": len(ranks), f"sum/{ctx.stage.id}": float(t)})
+        return batch
+
+    d = dag(tp=2).replace("reward", fn=_probe_then_reward(probe)).replace("ref_log_prob", fn=probe)
+    s = controller.create(d, world_size=W, torch_distributed=True)
+    try:
+        m = s.step().metrics
+        assert m["group_size/reward"] == 2 and m["sum/reward"] == 2  # dp=2 ranks per tp rank
+        assert m["group_size/ref_log_prob"] == 4 and m["sum/ref_log_prob"] == 4
+    finally:
+        s.close()
+
+
+def _probe_then_reward(probe):
+    from distflow_lab.synthetic import reward
+
+    def probe_reward(batch, ctx):
+        return reward(probe(batch, ctx), ctx)
+
+    return probe_reward

@@ -34,9 +34,10 @@ def setup_engines(ctx: Any, cfg: RunConfig) -> dict[str, Any]:
     dtype = getattr(torch, cfg.model.dtype)
     model, tokenizer = load_model_dir(cfg.model.path, dtype=dtype)
     temp = cfg.rollout.temperature
-    actor = TrainEngine(model, OptimConfig(lr=cfg.actor.lr, grad_clip=cfg.actor.grad_clip),
+    pg = ctx.groups.get("actor_update")  # the training layout's data-parallel group (FSDP2 shards over it)
+    actor = TrainEngine(model, OptimConfig(lr=cfg.actor.lr, grad_clip=cfg.actor.grad_clip), process_group=pg,
                         micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
-    ref = TrainEngine(load_model_dir(cfg.model.path, dtype=dtype)[0], None,
+    ref = TrainEngine(load_model_dir(cfg.model.path, dtype=dtype)[0], None, process_group=pg,
                       micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
     hf = cfg.rollout.engine == "hf"
     shared = hf and not actor.distributed  # 1 worker: generate with the actor's own module
@@ -55,6 +56,7 @@ def setup_engines(ctx: Any, cfg: RunConfig) -> dict[str, Any]:
 
         critic = build_critic_from(cfg.model.path, dtype=dtype)
         engines["critic"] = TrainEngine(critic, OptimConfig(lr=cfg.critic.lr, grad_clip=cfg.actor.grad_clip),
+                                        process_group=ctx.groups.get("critic_update"),
                                         micro_token_budget=cfg.critic.micro_token_budget, critic=True)
     return engines
 
