@@ -68,6 +68,8 @@ def connect(address: str | None = None, **ray_options: Any) -> ClusterInfo:
         # Loopback only. Must be in the environment before Ray's processes start.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray_options.setdefault("include_dashboard", False)
+        # logical CPUs: let a laptop run several one-CPU workers (oversubscribed, like real device slots)
+        ray_options.setdefault("num_cpus", max(8, os.cpu_count() or 1))
         ray_options.setdefault("_node_ip_address", "127.0.0.1")
     import ray
 

@@ -47,8 +47,8 @@ class ClusterOptions(Strict):
     """Placement-group strategy for the workers."""
     threads_per_worker: int | None = None
     """torch threads per worker (None: cores // workers, at least 1)."""
-    stage_timeout_s: float = Field(default=300.0, gt=0)
-    """Longest a stage may run on any worker before the driver reports it (and which workers) instead of waiting."""
+    stage_timeout_s: float = Field(default=45.0, gt=0)
+    """Longest a stage may run on any worker before the driver reports which workers are late (raise it for big models)."""
     buffer_wait_timeout_s: float = Field(default=120.0, gt=0)
     """Longest a DataBuffer waits for producers before failing the step with a clear error."""
     torch_distributed: bool = False

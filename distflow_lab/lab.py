@@ -134,7 +134,7 @@ class Session:
 
         spans = self.spans
         if steps is None and len(spans):
-            steps = sorted(spans["step"].unique())[-last:]
+            steps = [int(x) for x in sorted(spans["step"].unique())[-last:]]
         return timeline(spans, steps=steps, title=f"{self.mode}: steps {steps}")
 
     def breakdown(self):

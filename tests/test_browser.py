@@ -90,7 +90,7 @@ def _write_settings(settings_dir: Path) -> None:
     """User settings of this JupyterLab only: every cell attached (no windowing),
     no news or update checks (closed network), no autosave into the copy."""
     files = {
-        "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+        "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none", "scrollPastEnd": False},
         "@jupyterlab/apputils-extension/notification.jupyterlab-settings":
             {"fetchNews": "false", "checkForUpdates": False},
         "@jupyterlab/docmanager-extension/plugin.jupyterlab-settings": {"autosave": False},
@@ -226,14 +226,19 @@ _OPEN_JS = """async () => {
   await app.started; await app.restored;
   const w = app.shell.currentWidget;
   if (!w || !w.sessionContext || !w.context) return 'no notebook panel';
-  await w.context.ready; await w.sessionContext.ready;
+  await w.context.ready;
   return 'ok';
 }"""
 
-_KERNEL_IDLE_JS = """() => {
+# 'idle' once the kernel is up; a kernel dialog (e.g. "Select Kernel" when the notebook's
+# kernelspec is unknown here) is accepted with its default choice.
+_KERNEL_STATE_JS = """() => {
+  const accept = document.querySelector('.jp-Dialog .jp-Dialog-button.jp-mod-accept');
+  if (accept) { accept.click(); return 'dialog accepted'; }
   const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
   const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
-  return !!k && k.status === 'idle' && k.connectionStatus === 'connected';
+  if (!k) return 'no kernel';
+  return k.connectionStatus === 'connected' ? k.status : k.connectionStatus;
 }"""
 
 _RUN_ALL_JS = """() => {
@@ -325,14 +330,26 @@ def _rendered_ok(r: dict) -> bool:
 
 
 def _png_check(path: Path) -> tuple[int, int]:
+    """A real, non-blank PNG: signature, size, and (PIL, else zlib over the IDAT
+    chunks) more than a handful of distinct colours/byte values."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     assert len(data) > 20_000, f"{path} is only {len(data)} bytes"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 800 and height >= 600, f"{path} is only {width}x{height}"
     try:
         from PIL import Image
     except ImportError:
-        assert len(set(data[100:])) > 64, f"{path} looks blank"
+        import zlib
+
+        idat, pos = bytearray(), 8
+        while pos < len(data):
+            n, kind = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
+            if kind == b"IDAT":
+                idat += data[pos + 8:pos + 8 + n]
+            pos += 12 + n
+        distinct = len(set(zlib.decompress(bytes(idat))))
+        assert distinct > 32, f"{path} looks blank ({distinct} distinct byte values)"
     else:
         with Image.open(path) as im:
             colours = im.convert("RGB").resize((200, 200)).getcolors(maxcolors=200 * 200)
@@ -344,6 +361,7 @@ def run_notebook_in_browser(notebook: Path, tmp: Path) -> dict:
     """Open `notebook` in JupyterLab in headless Chromium, run all cells, check
     the timeline and the stepper are rendered and take screenshots. Returns
     what the page showed and where the screenshots are."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     root, work = tmp / "notebooks", tmp / "work"
@@ -380,13 +398,27 @@ def run_notebook_in_browser(notebook: Path, tmp: Path) -> dict:
                     timeout=KERNEL_TIMEOUT_S * 1000)
                 opened = page.evaluate(_OPEN_JS)
                 assert opened == "ok", f"notebook did not open: {opened}"
-                page.wait_for_function(_KERNEL_IDLE_JS, timeout=KERNEL_TIMEOUT_S * 1000, polling=500)
+                deadline, state, seen = time.monotonic() + KERNEL_TIMEOUT_S, "", []
+                while time.monotonic() < deadline:
+                    state = page.evaluate(_KERNEL_STATE_JS)
+                    if not seen or seen[-1] != state:
+                        seen.append(state)
+                    if state == "idle":
+                        break
+                    page.wait_for_timeout(500)
+                assert state == "idle", f"kernel not idle after {KERNEL_TIMEOUT_S}s: {seen}\n{lab.log_tail()}"
                 result["kernel_s"] = time.monotonic() - t0
 
                 t_run = time.monotonic()
                 page.evaluate(_RUN_ALL_JS)
-                page.wait_for_function("() => window.__runAll.done", timeout=RUN_TIMEOUT_S * 1000,
-                                       polling=1000)
+                try:
+                    page.wait_for_function("() => window.__runAll.done", timeout=RUN_TIMEOUT_S * 1000,
+                                           polling=1000)
+                except PlaywrightTimeout:
+                    cells = page.evaluate(_CELLS_JS)
+                    pending = [f"cell {c['index']}: {c['source'][:80]!r}" for c in cells if c["count"] is None]
+                    raise AssertionError(f"run-all did not finish within {RUN_TIMEOUT_S}s; not executed (yet):\n"
+                                         + "\n".join(pending)) from None
                 result["run_s"] = time.monotonic() - t_run
                 run_all = page.evaluate("() => window.__runAll")
                 cells = page.evaluate(_CELLS_JS)

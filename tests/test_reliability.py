@@ -203,3 +203,28 @@ def test_driver_never_materializes_a_batch_in_distributed_mode(ray_cluster):
     assert grew["distributed", 64] < 0.1 * batch_bytes
     assert grew["distributed", 64] < grew["distributed", 8] + 16 * 2**20
     assert grew["centralized", 64] > 0.5 * batch_bytes
+
+
+def _slow_on_worker_2(batch, ctx):
+    if ctx.worker == 2:
+        import time
+
+        time.sleep(30)  # a hung worker (alive, not answering)
+    return batch
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_stage_times_out_naming_the_late_workers(ray_cluster):
+    d = synth().replace("ref_log_prob", fn=_slow_on_worker_2)
+    s = lab.session(d, world_size=4, stage_timeout_s=3)
+    try:
+        for _ in range(3):  # step through the fast stages
+            s.step_stage()
+        for _ in range(2):
+            s.step_stage()
+        from distflow_lab.errors import StageTimeout
+
+        with pytest.raises(StageTimeout, match=r"stage 'ref_log_prob' of step 0 did not finish within 3s on workers \[2\]"):
+            s.step_stage()
+    finally:
+        s.close()

@@ -90,24 +90,28 @@ class Controller:
         backend = "nccl" if self.config.cluster.gpus_per_worker > 0 else "gloo"
         port = free_port()
         addr = "127.0.0.1" if len(set(self.placement.worker_nodes)) == 1 else _node_ip(self.placement.worker_nodes[0])
-        timeout = self.config.cluster.stage_timeout_s
+        # collectives may wait for a peer that is one stage behind: allow more than a stage
+        timeout = 2 * self.config.cluster.stage_timeout_s + 60
         self._gather([w.init_process_group.remote(addr, port, backend, timeout) for w in self.workers],
-                     step=-1, stage="init_process_group")
+                     step=-1, stage="init_process_group", stages=4)
 
-    def _gather(self, refs: list, step: int, stage: str, workers: list[int] | None = None) -> list:
-        """Wait for every ref (bounded by the stage timeout); on the first failure
-        abort the step everywhere and raise an error naming stage, worker and step."""
+    def _gather(self, refs: list, step: int, stage: str, workers: list[int] | None = None,
+                stages: int = 1) -> list:
+        """Wait for every ref (bounded by the stage timeout, times `stages` for a whole
+        step); on the first failure abort the step everywhere and raise an error
+        naming stage, worker and step."""
         workers = workers if workers is not None else list(range(len(refs)))
         index = {r: i for i, r in enumerate(refs)}
         self._inflight = list(refs)
-        pending, deadline = list(refs), time.monotonic() + self.config.cluster.stage_timeout_s
+        limit = self.config.cluster.stage_timeout_s * stages
+        pending, deadline = list(refs), time.monotonic() + limit
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 late = sorted(workers[index[r]] for r in pending)
                 self._abort(step, f"stage {stage!r} timed out on workers {late}")
                 raise StageTimeout(f"stage {stage!r} of step {step} did not finish within "
-                                   f"{self.config.cluster.stage_timeout_s:.0f}s on workers {late}",
+                                   f"{limit:.0f}s on workers {late} (cluster.stage_timeout_s)",
                                    step=step, stage=stage, worker=late[0])
             self._check(ready[0], step, stage, workers[index[ready[0]]])
         out = ray.get(refs)
@@ -308,8 +312,8 @@ class Controller:
     def close(self) -> None:
         if self.placement is None:
             return
-        try:
-            ray.get([w.close.remote() for w in self.workers], timeout=30)
+        try:  # a graceful close frees engines and process groups; a hung or dead worker is just killed
+            ray.get([w.close.remote() for w in self.workers], timeout=10)
         except Exception:
             pass
         for a in [*self.placement.workers, *self.placement.buffers]:

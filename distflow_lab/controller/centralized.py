@@ -35,7 +35,8 @@ class CentralizedController(Controller):
         setup = WorkerSetup(self.plan, self.mode, self.config.seed, balance=self.config.switches.balance,
                             config=self.config.algo, engines=self.engines, keep_outputs=self.config.keep_outputs,
                             threads=self._threads())
-        self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], step=-1, stage="setup")
+        self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], step=-1, stage="setup",
+                                        stages=4)  # engine set-up (model loading) may take longer than a stage
         self.rec = SpanRecorder(DRIVER, ray.get_runtime_context().get_node_id()[:8], self.mode)
         self.pool = ThreadPoolExecutor(max_workers=min(16, len(self.workers)), thread_name_prefix="dispatch")
         first = self.plan.stages[0]

@@ -29,7 +29,8 @@ class DistributedController(Controller):
         setup = WorkerSetup(self.plan, self.mode, self.config.seed, sw.local_cache, sw.balance, p.buffers,
                             p.buffer_of_worker, self.config.algo, self.engines, self.config.keep_outputs,
                             self._threads())
-        self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], step=-1, stage="setup")
+        self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], step=-1, stage="setup",
+                                        stages=4)  # engine set-up (model loading) may take longer than a stage
 
     def _run_stage(self, step: int, index: int) -> StageReport:
         st = self.plan.stages[index]
@@ -75,7 +76,8 @@ class DistributedController(Controller):
 
     def _run_whole_step_once(self, step: int) -> list[StageReport]:
         try:
-            per_worker = self._gather([w.run_step.remote(step) for w in self.workers], step, "(whole step)")
+            per_worker = self._gather([w.run_step.remote(step) for w in self.workers], step, "(whole step)",
+                                      stages=len(self.plan.stages))
         except StageError as e:
             if e.stage == "(whole step)":  # a worker died or hung: ask the buffers where it was
                 where = self._where(e.worker)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,9 @@ class DataBuffer:
         self._progress: dict[int, tuple[int, str]] = {}  # worker -> (step, stage) last started
         # A restarted buffer has lost its state: refuse the steps in flight until the
         # driver has reset them (reset_step), instead of waiting for pieces that never come.
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
+            warnings.simplefilter("ignore")
+            self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._accept_from = float("inf") if self.restarted else float("-inf")
         self.node_id = ray.get_runtime_context().get_node_id()
         gc.collect()

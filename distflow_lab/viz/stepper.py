@@ -79,7 +79,7 @@ class Stepper:
     # ---- display ---------------------------------------------------------------------
     def _timeline(self) -> go.Figure:
         spans = self.s.spans
-        steps = sorted(spans["step"].unique())[-self.last_steps:] if len(spans) else None
+        steps = [int(x) for x in sorted(spans["step"].unique())[-self.last_steps:]] if len(spans) else None
         return timeline(spans, steps=steps, title=f"{self.s.mode}: latest steps")
 
     def _refresh(self) -> None:
