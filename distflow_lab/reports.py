@@ -34,16 +34,27 @@ class StageResult:
     metrics: dict[str, float] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)
     seconds: float = 0.0
+    counts: dict[str, float] = field(default_factory=dict)
 
 
 def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:
-    """Mean over data-parallel ranks (group rank 0 of each group) of each metric."""
-    by_name: dict[str, list[float]] = {}
+    """Over data-parallel ranks (group rank 0 of each group): `ctx.log` metrics are
+    averaged weighted by each rank's output rows (a rank that produced nothing does
+    not count; equal rows give the plain mean), `ctx.count` counts are summed."""
+    by_name: dict[str, list[tuple[float, float]]] = {}
+    sums: dict[str, float] = {}
     for r in results:
-        if r.group_rank == 0:
-            for k, v in r.metrics.items():
-                by_name.setdefault(k, []).append(float(v))
-    return {k: float(np.mean(v)) for k, v in by_name.items()}
+        if r.group_rank != 0:
+            continue
+        for k, v in r.metrics.items():
+            by_name.setdefault(k, []).append((float(v), float(r.items_out)))
+        for k, v in r.counts.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    out = {}
+    for k, pairs in by_name.items():
+        values, weights = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+        out[k] = float(np.average(values, weights=weights)) if weights.sum() > 0 else float(values.mean())
+    return {**out, **sums}
 
 
 @dataclass

@@ -68,6 +68,7 @@ class StageContext:
     engines: dict[str, Any] = field(default_factory=dict)
     loader: ShardedLoader | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
     recorder: SpanRecorder | None = None
     groups: dict[str, Any] = field(default_factory=dict)  # stage id -> this worker's dp process group
     _rng: torch.Generator | None = None
@@ -92,8 +93,23 @@ class StageContext:
         return self._rng
 
     def log(self, **metrics: float) -> None:
-        """Record metrics; the driver averages them over data-parallel ranks."""
+        """Record metrics; the driver averages them over data-parallel ranks (weighted by rows)."""
         self.metrics.update({k: float(v) for k, v in metrics.items()})
+
+    def count(self, **counts: float) -> None:
+        """Record counts (rows kept, items dropped, ...); the driver sums them over data-parallel ranks."""
+        for k, v in counts.items():
+            self.counts[k] = self.counts.get(k, 0.0) + float(v)
+
+
+def local_context(plan: Plan, stage: str, step: int = 0, dp_rank: int = 0, seed: int = 0, config: Any = None,
+                  engines: dict[str, Any] | None = None) -> StageContext:
+    """A context for calling a stage function by hand, outside Ray (tests, notebooks):
+    `fn(batch, local_context(dag.plan(4), "advantage"))`."""
+    st = plan.stage(stage)
+    worker = dp_rank * st.group_size
+    return StageContext(step, st, worker, plan.world_size, dp_rank, st.dp, 0, stage_seed(seed, step, st.index, dp_rank),
+                        "local", config, dict(engines or {}))
 
 
 def stage_seed(seed: int, step: int, stage: int, dp_rank: int) -> int:
@@ -280,7 +296,7 @@ class DAGWorker:
         moved = route in ("buffer", "driver")
         return StageResult(step, st.index, st.id, self.rank, ctx.dp_rank, ctx.group_rank, len(batch), len(out),
                            int(item_lengths(out).sum()) if len(out) else 0, batch.nbytes if moved else 0,
-                           out.nbytes, route, hit, dict(ctx.metrics), self.rec.take(), seconds)
+                           out.nbytes, route, hit, dict(ctx.metrics), self.rec.take(), seconds, dict(ctx.counts))
 
     def peek(self, stage_id: str, n: int = 4, columns: list[str] | None = None) -> Batch | None:
         """The first n rows of a stage's latest output (only these travel to the driver)."""
