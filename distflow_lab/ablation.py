@@ -64,7 +64,9 @@ def run(batches: list[int], repeats: int = 8, workers: int = 4, nodes: int = 2, 
                 med, lo, hi = median_ci(wall)
                 rows.append({"rung": rung, "batch": batch, "median": med, "lo": lo, "hi": hi,
                              "data_plane_median": float(np.median([s["data_plane_s"] for s in steps])),
-                             "repeats": len(steps), **{k: str(v) for k, v in switches.items()}})
+                             "repeats": len(steps), "step_s": wall.tolist(),  # the raw samples, for intervals
+                             "data_plane_s": [s["data_plane_s"] for s in steps],
+                             **{k: str(v) for k, v in switches.items()}})
     finally:
         if cluster is not None:
             from .cluster import shutdown

@@ -58,9 +58,9 @@ def _data(argv: list[str]) -> int:
     sub = ap.add_subparsers(dest="what", required=True)
     g = sub.add_parser("gsm8k", help="convert GSM8K jsonl to verl-schema parquet")
     g.add_argument("--src", default=None, help="folder with train.jsonl/test.jsonl (default ../shared/datasets/gsm8k)")
-    g.add_argument("--out", default="data/gsm8k")
+    g.add_argument("--out", default="runs/data", help="where data.train=gsm8k looks (data.cache_dir)")
     a = sub.add_parser("arithmetic", help="write the synthetic arithmetic task as parquet")
-    a.add_argument("--out", default="data/arithmetic")
+    a.add_argument("--out", default="runs/data/arithmetic")
     a.add_argument("--n", type=int, default=2048)
     a.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -72,9 +72,9 @@ def _data(argv: list[str]) -> int:
         from .data.gsm8k import convert_gsm8k, default_gsm8k_dir
 
         src = Path(args.src) if args.src else default_gsm8k_dir()
-        for split in ("train", "test"):
-            n = convert_gsm8k(src / f"{split}.jsonl", out / f"{split}.parquet", split=split)
-            print(f"{out / f'{split}.parquet'}: {n} rows")
+        for split in ("train", "test"):  # the names the runner's data.train=gsm8k reads
+            n = convert_gsm8k(src / f"{split}.jsonl", out / f"gsm8k-{split}.parquet", split=split)
+            print(f"{out / f'gsm8k-{split}.parquet'}: {n} rows")
     else:
         from .tasks.arithmetic import write_arithmetic_parquet
 

@@ -40,6 +40,7 @@ class Session:
         self.dag, self._config, self._engines, self._options = dag, config, engines, dict(options)
         self.controller = controller.create(dag, config, mode=mode, engines=engines, **options)
         self.previous: dict[str, pd.DataFrame] = {}  # spans of earlier modes (reopen), for side-by-side figures
+        self.previous_metrics: dict[str, pd.DataFrame] = {}
 
     # ---- running ------------------------------------------------------------------
     def step_stage(self) -> StageReport:
@@ -59,6 +60,7 @@ class Session:
         """Restart the workers with another mode or switches (same DAG and config);
         the spans so far are kept for side-by-side figures."""
         self.previous[self.mode] = self.spans
+        self.previous_metrics[self.mode] = self.metrics
         self.controller.close()
         self._options.update(options)
         self.controller = controller.create(self.dag, self._config, mode=mode or self.mode,
@@ -137,11 +139,14 @@ class Session:
             steps = [int(x) for x in sorted(spans["step"].unique())[-last:]]
         return timeline(spans, steps=steps, title=f"{self.mode}: steps {steps}")
 
-    def breakdown(self):
-        """Paper Table 1: (figure, table), this session's mode beside any earlier one (reopen)."""
+    def breakdown(self, skip: int = 0):
+        """Paper Table 1: (figure, table), this session's mode beside any earlier one (reopen);
+        `skip` drops each mode's first steps (warm-up)."""
         from .viz.breakdown import breakdown
 
-        return breakdown({**self.previous, self.mode: self.spans}, [s.id for s in self.plan.stages])
+        spans = {m: df[df["step"] >= df["step"].min() + skip] if len(df) else df
+                 for m, df in {**self.previous, self.mode: self.spans}.items()}
+        return breakdown(spans, [s.id for s in self.plan.stages])
 
     def cache_hits(self):
         from .viz.breakdown import cache_hits

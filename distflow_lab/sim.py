@@ -316,7 +316,6 @@ def measure_scaling(workers=(1, 2, 4, 8), contexts=(1024,), nodes: int = 2, batc
     (workers, or max(workers) if "constant"). `spans_at=(workers, context)`: one more session per
     mode there, its spans and step walls in columns `spans`, `walls` (for `calibrate`)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     from . import controller
     from .bench.dataplane import measure, start_cluster
     from .cluster import shutdown
@@ -326,7 +325,7 @@ def measure_scaling(workers=(1, 2, 4, 8), contexts=(1024,), nodes: int = 2, batc
     try:
         for w, ctx in [(w, c) for w in workers for c in contexts]:
             b = batch_per_worker * (w if batch_mode == "proportional" else max(workers))
-            tp = rollout_tp if w % rollout_tp == 0 and w > rollout_tp else 1
+            tp = rollout_tp if w % rollout_tp == 0 and w >= rollout_tp else 1  # one redistribution per step
             dag = grpo(b // n, n, ctx // 2, ctx // 2, rollout_tp=tp, us_per_token=us_per_token)
             for m in modes:
                 r = pd.DataFrame(measure(dag, m, w, repeats)).rename(columns={"wall_s": "step_s"})

@@ -100,7 +100,7 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
     records: list[dict] = []
     configs = [(w, c) for w in workers for c in contexts]
     for w, ctx_len in tqdm(configs, desc="dataplane configs"):
-        tp = rollout_tp if w % rollout_tp == 0 and w > rollout_tp else 1
+        tp = rollout_tp if w % rollout_tp == 0 and w >= rollout_tp else 1  # one redistribution per step
         dag = synthetic_grpo(batch_size=batch // n, n=n, max_prompt_len=ctx_len // 2, max_response_len=ctx_len // 2,
                              rollout_tp=tp)
         by_mode = {m: verl_peer.measure(dag.plan(w), w, repeats) if m == "verl" else measure(dag, m, w, repeats)
