@@ -25,7 +25,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from .bench.common import int_list, print_table, write_json
-from .bench.dataplane import measure, start_cluster
+from .bench.dataplane import close_pool, measure, start_cluster
 from .synthetic import synthetic_grpo
 
 RUNGS: list[tuple[str, dict]] = [
@@ -54,12 +54,12 @@ def ablation_dag(batch: int, context: int, n: int = 4, us_per_token: float = 1.0
 def run(batches: list[int], repeats: int = 8, workers: int = 4, nodes: int = 2, context: int = 2048,
         us_per_token: float = 1.0, out: str | Path | None = None) -> pd.DataFrame:
     cluster = start_cluster(nodes, workers)
-    rows = []
+    rows, pool = [], {}  # one set of worker processes for every rung
     try:
         for batch in batches:
             dag = ablation_dag(batch, context, us_per_token=us_per_token)
             for rung, switches in tqdm(RUNGS, desc=f"batch {batch}", leave=False):
-                steps = measure(dag, "distributed", workers, repeats, **switches)
+                steps = measure(dag, "distributed", workers, repeats, pool=pool, **switches)
                 wall = np.array([s["wall_s"] for s in steps])
                 med, lo, hi = median_ci(wall)
                 rows.append({"rung": rung, "batch": batch, "median": med, "lo": lo, "hi": hi,
@@ -68,6 +68,7 @@ def run(batches: list[int], repeats: int = 8, workers: int = 4, nodes: int = 2, 
                              "data_plane_s": [s["data_plane_s"] for s in steps],
                              **{k: str(v) for k, v in switches.items()}})
     finally:
+        close_pool(pool)
         if cluster is not None:
             from .cluster import shutdown
 

@@ -56,15 +56,16 @@ class Session:
         reports = self.controller.run(steps, progress=progress)
         return pd.DataFrame([{"step": r.step, "wall_s": r.wall_seconds, **r.metrics} for r in reports])
 
-    def reopen(self, mode: str | None = None, **options: Any) -> "Session":
-        """Restart the workers with another mode or switches (same DAG and config);
-        the spans so far are kept for side-by-side figures."""
+    def reopen(self, mode: str | None = None, dag: DAG | None = None, **options: Any) -> "Session":
+        """Reconfigure with another mode, switches or DAG, on the same worker processes
+        when the placement allows (fresh engines, loaders, buffers, step 0); the spans
+        and metrics so far are kept for side-by-side figures."""
         self.previous[self.mode] = self.spans
         self.previous_metrics[self.mode] = self.metrics
-        self.controller.close()
         self._options.update(options)
+        self.dag = dag or self.dag
         self.controller = controller.create(self.dag, self._config, mode=mode or self.mode,
-                                            engines=self._engines, **self._options)
+                                            engines=self._engines, reuse=self.controller, **self._options)
         return self
 
     def close(self) -> None:

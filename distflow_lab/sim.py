@@ -317,30 +317,33 @@ def measure_scaling(workers=(1, 2, 4, 8), contexts=(1024,), nodes: int = 2, batc
     mode there, its spans and step walls in columns `spans`, `walls` (for `calibrate`)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     from . import controller
-    from .bench.dataplane import measure, start_cluster
+    from .bench.dataplane import close_pool, measure, start_cluster
     from .cluster import shutdown
     from .synthetic import synthetic_grpo as grpo
 
-    sim, rows = start_cluster(nodes, max(workers)), []
+    sim, rows, pool = start_cluster(nodes, max(workers)), [], {}
     try:
         for w, ctx in [(w, c) for w in workers for c in contexts]:
             b = batch_per_worker * (w if batch_mode == "proportional" else max(workers))
             tp = rollout_tp if w % rollout_tp == 0 and w >= rollout_tp else 1  # one redistribution per step
             dag = grpo(b // n, n, ctx // 2, ctx // 2, rollout_tp=tp, us_per_token=us_per_token)
             for m in modes:
-                r = pd.DataFrame(measure(dag, m, w, repeats)).rename(columns={"wall_s": "step_s"})
+                r = pd.DataFrame(measure(dag, m, w, repeats, pool=pool)).rename(columns={"wall_s": "step_s"})
                 r["throughput"] = b * ctx / r["step_s"]
                 row = {"mode": m, "workers": w, "nodes": min(nodes, w), "context": ctx, "batch": b, "rollout_tp": tp,
                        "batch_mode": batch_mode, "repeats": len(r), "bytes_moved": r["bytes_moved"].median()}
                 for k in ("step_s", "data_plane_s", "compute_s", "throughput"):
                     row.update({k: r[k].median(), f"{k}_lo": r[k].min(), f"{k}_hi": r[k].max()})
                 if spans_at == (w, ctx):
-                    with controller.create(dag, world_size=w, mode=m, keep_outputs=False) as s:
-                        reps, sp = s.run(repeats + 1, progress=False)[1:], s.spans  # drop the warm-up step
+                    reuse = pool.pop(w, None)
+                    close_pool(pool)
+                    s = pool[w] = controller.create(dag, world_size=w, mode=m, keep_outputs=False, reuse=reuse)
+                    reps, sp = s.run(repeats + 1, progress=False)[1:], s.spans  # drop the warm-up step
                     row.update(spans=sp[sp.step.isin([x.step for x in reps])].reset_index(drop=True),
                                walls=[x.wall_seconds for x in reps])
                 rows.append(row)
     finally:
+        close_pool(pool)
         shutdown()
         if sim is not None:
             sim.shutdown()

@@ -131,6 +131,9 @@ class DAGWorker:
 
     # ---- lifecycle ---------------------------------------------------------------
     def setup(self, s: WorkerSetup) -> dict:
+        """(Re)configure this worker for a plan. Called again when a session reuses the
+        workers for another DAG, mode or switches: everything of the last plan goes."""
+        self._reset()
         self.s, self.plan = s, s.plan
         self.rec.mode = s.mode
         torch.set_num_threads(max(1, s.threads))
@@ -163,6 +166,15 @@ class DAGWorker:
                     if st.group_rank(self.rank) == g:
                         made[key] = group
         return {st.id: made[(st.dp, st.group_size)] for st in self.plan.stages}
+
+    def _reset(self) -> None:
+        self.cache.clear()
+        self.outputs.clear()
+        for e in self.engines.values():
+            if hasattr(e, "close"):
+                e.close()
+        self.engines, self.loader, self.faults = {}, None, []
+        self.rec.take()
 
     def init_process_group(self, master_addr: str, port: int, backend: str = "gloo",
                            timeout_s: float = 300.0) -> bool:
@@ -393,7 +405,7 @@ class DAGWorker:
     def memory(self) -> dict:
         import psutil
 
-        return {"rank": self.rank, "rss": psutil.Process().memory_info().rss}
+        return {"rank": self.rank, "pid": os.getpid(), "rss": psutil.Process().memory_info().rss}
 
     def ping(self) -> int:
         return self.rank

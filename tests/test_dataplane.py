@@ -9,6 +9,7 @@ import pytest
 import ray
 import torch
 
+import distflow_lab as lab
 from distflow_lab import controller
 from distflow_lab.data.balance import load_stats
 from distflow_lab.data.batch import Batch
@@ -35,7 +36,8 @@ def both(ray_cluster):
 
 def all_rows(session, stage: str) -> list[Batch]:
     """Every worker's full output of `stage` (tests only: payloads travel)."""
-    return [session.peek(stage, worker=w, n=10**6) for w in range(W)]
+    c = getattr(session, "controller", session)  # raw batches, not the notebook's decoded samples
+    return [c.peek(stage, worker=w, n=10**6) for w in range(W)]
 
 
 class TestSharedSessions:
@@ -123,19 +125,21 @@ def test_local_cache_off_routes_every_edge_through_the_buffer(ray_cluster):
 
 def test_lpt_balances_token_load(ray_cluster):
     loads = {}
-    for policy in ("lpt", "none"):
-        s = controller.create(dag(batch=16), world_size=W, balance=policy, double_buffer=False)
-        try:
+    s = lab.session(dag(batch=16), world_size=W, balance="lpt", double_buffer=False)
+    try:
+        for policy in ("lpt", "none"):
+            if policy != "lpt":
+                s.reopen(balance=policy)  # same worker processes, same data and seeds
             rep = s.step()
             stage = next(st for st in rep.stages if st.stage_id == "old_log_prob")
             loads[policy] = sorted(r.tokens_out for r in stage.results)
             lengths = np.concatenate([b["attention_mask"].sum(1).numpy() for b in all_rows(s, "old_log_prob")])
             assert len(lengths) == 64 and all(r.items_out == 16 for r in stage.results)  # equal counts
-        finally:
-            s.close()
-        if policy == "lpt":
-            parts = np.split(np.arange(len(lengths)), W)
-            assert load_stats(lengths, parts).ratio <= 1.05  # within 5 % of max(mean, largest item)
+            if policy == "lpt":
+                parts = np.split(np.arange(len(lengths)), W)
+                assert load_stats(lengths, parts).ratio <= 1.05  # within 5 % of max(mean, largest item)
+    finally:
+        s.close()
     assert max(loads["lpt"]) < max(loads["none"])  # same data, better balance
     assert sum(loads["lpt"]) == sum(loads["none"])
 
@@ -144,16 +148,20 @@ def test_driver_receives_only_metadata_in_distributed_mode(ray_cluster):
     """Bytes reaching the driver per step do not grow with context length in
     distributed mode; in centralized mode they grow with the payload."""
     got = {}
-    for mode in ("distributed", "centralized"):
-        for max_len in (64, 512):
-            s = controller.create(dag(max_len=max_len), world_size=W, mode=mode, keep_outputs=False)
-            try:
+    s = None
+    try:
+        for mode in ("distributed", "centralized"):
+            for max_len in (64, 512):
+                if s is None:
+                    s = lab.session(dag(max_len=max_len), world_size=W, mode=mode, keep_outputs=False)
+                else:
+                    s.reopen(mode=mode, dag=dag(max_len=max_len))
                 s.step()
-                before = s.bytes_to_driver
+                before = s.controller.bytes_to_driver
                 s.step()
-                got[mode, max_len] = s.bytes_to_driver - before
-            finally:
-                s.close()
+                got[mode, max_len] = s.controller.bytes_to_driver - before
+    finally:
+        s.close()
     assert got["distributed", 512] < 1.2 * got["distributed", 64]
     assert got["distributed", 512] < 200_000
     assert got["centralized", 512] > 4 * got["centralized", 64]
@@ -161,16 +169,19 @@ def test_driver_receives_only_metadata_in_distributed_mode(ray_cluster):
 
 
 def test_double_buffer_releases_each_step(ray_cluster):
-    for enabled in (True, False):
-        s = controller.create(dag(), world_size=W, double_buffer=enabled)
-        try:
+    s = lab.session(dag(), world_size=W, double_buffer=True)
+    try:
+        for enabled in (True, False):
+            if not enabled:
+                s.reopen(double_buffer=False)
             s.run(3, progress=False)
-            stats = ray.get([b.stats.remote() for b in s.placement.buffers])
-            ray.get([b.drain.remote() for b in s.placement.buffers])
+            bufs = s.controller.placement.buffers
+            stats = ray.get([b.stats.remote() for b in bufs])
+            ray.get([b.drain.remote() for b in bufs])
             assert all(st["open_steps"] == [] for st in stats)
             assert all(st["releases"] == 3 and st["double_buffer"] is enabled for st in stats)
-        finally:
-            s.close()
+    finally:
+        s.close()
 
 
 def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):

@@ -137,3 +137,22 @@ def test_cli_run_writes_everything(rl_base, tmp_path):
     bad = subprocess.run([os.path.join(os.path.dirname(PY), "distflow-lab"), "run", "tiny-cpu-grpo", "actor.nope=1"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "actor.nope: unknown key" in bad.stdout
+
+
+def test_reopen_reuses_the_worker_processes(ray_cluster):
+    import ray
+
+    d = synthetic_grpo(batch_size=8, n=4, max_prompt_len=64, max_response_len=64, rollout_tp=2)
+    with lab.session(d, world_size=4) as s:
+        first = [s.step().metrics for _ in range(2)]
+        pids = ray.get([w.memory.remote() for w in s.controller.workers])
+        s.reopen(mode="centralized", balance="lpt")
+        assert s.mode == "centralized" and s.controller.step_index == 0
+        assert [p["pid"] for p in ray.get([w.memory.remote() for w in s.controller.workers])] == \
+            [p["pid"] for p in pids]  # the very same processes
+        again = [s.step().metrics for _ in range(2)]
+        assert again == first  # same workers, fresh state: the same steps again
+        assert [p["rank"] for p in pids] == [0, 1, 2, 3]
+        assert {"distributed"} == set(s.previous) and len(s.previous_metrics["distributed"]) == 2
+        s.reopen(mode="distributed", num_buffers=1)
+        assert len(s.controller.placement.buffers) == 1 and s.step().metrics == first[0]

@@ -189,9 +189,10 @@ def test_memory_stays_flat_over_a_long_run(ray_cluster):
 def test_driver_never_materializes_a_batch_in_distributed_mode(ray_cluster):
     """Driver RSS over 3 steps, small vs 8x larger batch (~100 MiB per step)."""
     grew = {}
-    for mode in ("distributed", "centralized"):
-        for batch in (8, 64):
-            with lab.session(synth(batch=batch, max_len=1024), world_size=4, mode=mode, keep_outputs=False) as s:
+    with lab.session(synth(batch=8, max_len=1024), world_size=4, keep_outputs=False) as s:
+        for mode in ("distributed", "centralized"):
+            for batch in (8, 64):
+                s.reopen(mode=mode, dag=synth(batch=batch, max_len=1024))
                 s.step()
                 before = psutil.Process().memory_info().rss
                 peak = before

@@ -25,9 +25,15 @@ from ..synthetic import synthetic_grpo
 from .common import int_list, memcpy_gbps, print_table, summarize, write_json
 
 
-def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, **options: Any) -> list[dict]:
-    """Run `warmup + steps` steps of `dag` in one session; one record per measured step."""
-    s = controller.create(dag, world_size=world_size, mode=mode, keep_outputs=False, **options)
+def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, pool: dict | None = None,
+            **options: Any) -> list[dict]:
+    """Run `warmup + steps` steps of `dag` in one session; one record per measured step.
+    `pool` (world size -> session) lets consecutive measurements reuse worker processes;
+    the caller closes what is left in it (`close_pool`)."""
+    reuse = pool.pop(world_size, None) if pool is not None else None
+    if pool:
+        close_pool(pool)  # sessions of other sizes hold CPUs this one may need
+    s = controller.create(dag, world_size=world_size, mode=mode, keep_outputs=False, reuse=reuse, **options)
     try:
         for _ in range(warmup):
             s.step()
@@ -40,7 +46,16 @@ def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, **opti
                         "breakdown": stage_breakdown(spans, [st.stage_id for st in rep.stages])})
         return out
     finally:
+        if pool is not None:
+            pool[world_size] = s
+        else:
+            s.close()
+
+
+def close_pool(pool: dict) -> None:
+    for s in pool.values():
         s.close()
+    pool.clear()
 
 
 def control_plane_overhead(world_size: int, stages: int = 6, steps: int = 5) -> dict:
@@ -98,12 +113,13 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
     sim_cluster = start_cluster(nodes, max(workers))
     bw = memcpy_gbps()
     records: list[dict] = []
+    pool: dict = {}  # reuse worker processes across configurations of one world size
     configs = [(w, c) for w in workers for c in contexts]
     for w, ctx_len in tqdm(configs, desc="dataplane configs"):
         tp = rollout_tp if w % rollout_tp == 0 and w >= rollout_tp else 1  # one redistribution per step
         dag = synthetic_grpo(batch_size=batch // n, n=n, max_prompt_len=ctx_len // 2, max_response_len=ctx_len // 2,
                              rollout_tp=tp)
-        by_mode = {m: verl_peer.measure(dag.plan(w), w, repeats) if m == "verl" else measure(dag, m, w, repeats)
+        by_mode = {m: verl_peer.measure(dag.plan(w), w, repeats) if m == "verl" else measure(dag, m, w, repeats, pool=pool)
                    for m in modes}
         for m, steps in by_mode.items():
             dp = summarize(r["data_plane_s"] for r in steps)
@@ -125,6 +141,7 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
                 if "verl" in by_mode:
                     v = np.median([x["data_plane_s"] for x in by_mode["verl"]])
                     r["dist_over_verl"] = float(d / v) if v > 0 else None
+    close_pool(pool)
     cols = ["mode", "workers", "nodes", "context", "batch", "data_plane_s_median", "data_plane_s_min", "data_plane_s_max",
             "bytes_moved", "dist_over_central", "dist_over_verl", "step_s_median", "memcpy_gbps"]
     print_table(records, cols, title=f"data plane, seconds per step (median/min/max of {repeats} steps)")

@@ -14,9 +14,11 @@ MODES = {"distributed": DistributedController, "centralized": CentralizedControl
 
 
 def create(dag: DAG, config: SessionConfig | dict | None = None, mode: str | None = None,
-           engines: str | Callable | None = None, **options: Any) -> Controller:
+           engines: str | Callable | None = None, reuse: Controller | None = None, **options: Any) -> Controller:
     """Start workers for `dag`. `options` may be any switch (local_cache,
-    double_buffer, balance, num_buffers) or cluster option (world_size, ...)."""
+    double_buffer, balance, num_buffers) or cluster option (world_size, ...).
+    `reuse`: an existing controller whose workers this one takes over when the
+    placement matches (seconds saved per session; the old one is then closed)."""
     cfg = config if isinstance(config, SessionConfig) else load_model(SessionConfig, dict(config or {}))
     algo = cfg.algo  # passed through as is (a typed RunConfig must stay typed)
     data = cfg.model_dump(exclude={"algo"})
@@ -34,7 +36,10 @@ def create(dag: DAG, config: SessionConfig | dict | None = None, mode: str | Non
         data["mode"] = mode
     cfg = load_model(SessionConfig, data)
     cfg.algo = algo
-    return MODES[cfg.mode](dag, cfg, engines=engines)
+    new = MODES[cfg.mode](dag, cfg, engines=engines, reuse=reuse)
+    if reuse is not None:
+        reuse.close()  # frees what was not taken over (all of it, if the placement differed)
+    return new
 
 
 __all__ = ["Controller", "DistributedController", "CentralizedController", "create", "MODES"]

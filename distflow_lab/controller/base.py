@@ -30,7 +30,8 @@ from .workers import Placement, default_threads, free_port, place_workers
 class Controller:
     mode = "base"
 
-    def __init__(self, dag: DAG, config: Any, engines: str | Callable | None = None) -> None:
+    def __init__(self, dag: DAG, config: Any, engines: str | Callable | None = None,
+                 reuse: "Controller | None" = None) -> None:
         from ..config import SessionConfig
 
         self.config: SessionConfig = config
@@ -46,6 +47,7 @@ class Controller:
         self.placement: Placement | None = None
         self.last_checkpoint: Path | None = None
         self.retries: list[dict] = []  # steps re-run after a DataBuffer died
+        self._reuse = reuse if reuse is not None and self._can_reuse(reuse) else None
         first = self.plan.stages[0]
         if first.type == "data_load":  # bad data fails here, before any worker starts
             from ..data.loader import check_data_node
@@ -72,10 +74,24 @@ class Controller:
 
     # ---- workers ------------------------------------------------------------------------
     def _place(self) -> Placement:
+        if self._reuse is not None:  # take over the running workers: no process start-up
+            self.placement, self._reuse.placement = self._reuse.placement, None
+            for b in self.placement.buffers:
+                ray.kill(b)
+            self.placement.buffers, self.placement.buffer_nodes = [], []
+            self._reuse = None
+            return self.placement
         c = self.config.cluster
         workers, nodes, pg = place_workers(c.world_size, c.cpus_per_worker, c.gpus_per_worker, c.placement)
         self.placement = Placement(workers, nodes, [], [], [0] * len(workers), pg)
         return self.placement
+
+    def _can_reuse(self, other: "Controller") -> bool:
+        """Same placement request and healthy workers: a new plan can run on them."""
+        a, b = self.config.cluster, other.config.cluster
+        same = (a.world_size, a.cpus_per_worker, a.gpus_per_worker, a.placement) == \
+               (b.world_size, b.cpus_per_worker, b.gpus_per_worker, b.placement)
+        return same and other.placement is not None and not getattr(other, "broken", None)
 
     @property
     def workers(self) -> list:
