@@ -2,7 +2,7 @@
 
     distflow-lab run CONFIG.yaml [--mode M] [--steps N] [--out DIR] [key=value ...]
     distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR]
-    distflow-lab bench dataplane|balance|serialization|memory [...]
+    distflow-lab bench dataplane|balance|serialization|memory|e2e [...]
     distflow-lab data gsm8k|arithmetic [...]
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ BENCHES = {
     "balance": "distflow_lab.bench.balance",
     "serialization": "distflow_lab.bench.serialization",
     "memory": "distflow_lab.bench.memory",
+    "e2e": "distflow_lab.bench.e2e",
 }
 
 

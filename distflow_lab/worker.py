@@ -403,9 +403,12 @@ class DAGWorker:
         return None if out is None else item_lengths(out)
 
     def memory(self) -> dict:
+        import resource
+
         import psutil
 
-        return {"rank": self.rank, "pid": os.getpid(), "rss": psutil.Process().memory_info().rss}
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {"rank": self.rank, "pid": os.getpid(), "rss": psutil.Process().memory_info().rss, "peak_rss": peak}
 
     def ping(self) -> int:
         return self.rank

@@ -208,6 +208,32 @@ def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
         s.close()
 
 
+def test_a_stage_breaking_its_contract_is_named(ray_cluster):
+    """A node that declares `outputs` and `rows: same` is checked on every worker:
+    a missing column or a changed row count names the stage, worker and step."""
+    from distflow_lab.errors import StageContractError
+    from distflow_lab.synthetic import reward
+
+    def forgets_scores(batch, ctx):
+        return batch
+
+    def drops_a_row(batch, ctx):
+        return reward(batch, ctx).select(slice(1, None))
+
+    contract = {"outputs": ["scores"], "rows": "same"}
+    for fn, message in ((forgets_scores, r"stage 'reward' did not produce column\(s\) \['scores'\] \(worker \d, step 0\)"),
+                        (drops_a_row, r"stage 'reward' returned \d+ rows for \d+ input rows \(worker \d, step 0\)")):
+        d = dag()
+        d.replace("reward", fn=fn, config={**d["reward"].config, **contract})
+        s = controller.create(d, world_size=W)
+        try:
+            with pytest.raises(StageContractError, match=message):
+                s.step()
+            assert s.step_index == 0  # nothing half-done is counted as a step
+        finally:
+            s.close()
+
+
 def test_one_process_group_per_stage_layout(ray_cluster):
     """With torch.distributed on, each stage sees the group of its layout holding this worker:
     the tensor-parallel replicas of the rollout layout are in different groups."""

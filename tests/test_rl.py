@@ -67,6 +67,8 @@ def test_checkpoint_resume_matches_uninterrupted_run(ray_cluster, base, tmp_path
     with open_session(other, progress=False) as s:
         with pytest.raises(ValueError, match="another configuration: .*seed"):
             s.load_checkpoint(ckpt)
+        with pytest.raises(FileNotFoundError, match=r"nowhere is not a distflow_lab checkpoint"):
+            s.load_checkpoint(tmp_path / "nowhere")
 
 
 def test_bad_configs_fail_before_workers_start(base):
@@ -94,3 +96,14 @@ def test_missing_column_names_the_file(tmp_path, base):
     cfg = load_run_config("tiny-cpu-grpo", base + [f"data.train={bad}", "data.prompts_per_step=2"])
     with pytest.raises(ValueError, match=r"bad.parquet: missing required column\(s\) \['data_source'"):
         open_session(cfg, progress=False)
+
+
+def test_e2e_benchmark_configs_are_valid():
+    """`bench e2e` builds its run configs from overrides: they must stay valid as the config evolves."""
+    from distflow_lab.bench.e2e import overrides_for
+
+    for context, train in ((32, "arithmetic"), (1024, "gsm8k")):
+        cfg = load_run_config("tiny-cpu-grpo", overrides_for(context, workers=2, prompts=16, n=4))
+        cfg.check_sizes()
+        assert cfg.data.max_prompt_len + cfg.rollout.max_response_len == context
+        assert cfg.model.tiny.max_position_embeddings >= context and cfg.data.train == train

@@ -119,8 +119,13 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
         tp = rollout_tp if w % rollout_tp == 0 and w >= rollout_tp else 1  # one redistribution per step
         dag = synthetic_grpo(batch_size=batch // n, n=n, max_prompt_len=ctx_len // 2, max_response_len=ctx_len // 2,
                              rollout_tp=tp)
-        by_mode = {m: verl_peer.measure(dag.plan(w), w, repeats) if m == "verl" else measure(dag, m, w, repeats, pool=pool)
-                   for m in modes}
+        by_mode = {}
+        for m in modes:
+            if m == "verl":
+                close_pool(pool)  # verl's workers need the CPUs the pooled session holds
+                by_mode[m] = verl_peer.measure(dag.plan(w), w, repeats)
+            else:
+                by_mode[m] = measure(dag, m, w, repeats, pool=pool)
         for m, steps in by_mode.items():
             dp = summarize(r["data_plane_s"] for r in steps)
             records.append({
@@ -128,7 +133,8 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
                 "data_plane_s_median": dp["median"], "data_plane_s_min": dp["min"], "data_plane_s_max": dp["max"],
                 "step_s_median": summarize(r["wall_s"] for r in steps)["median"],
                 "compute_s_median": summarize(r["compute_s"] for r in steps)["median"],
-                "bytes_moved": int(np.median([r.get("bytes_moved", 0) for r in steps])), "memcpy_gbps": bw,
+                "bytes_moved": int(np.median([r["bytes_moved"] for r in steps])) if "bytes_moved" in steps[0] else None,
+                "memcpy_gbps": bw,  # bytes_moved: None for verl (its transfers are not instrumented)
                 "repeats": len(steps),
                 "breakdown": (steps[len(steps) // 2]["breakdown"].round(5).reset_index().to_dict("records")
                               if "breakdown" in steps[0] else None),

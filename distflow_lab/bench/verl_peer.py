@@ -61,6 +61,29 @@ def _worker_class():
     return StageWorker
 
 
+def processes_per_node(world_size: int) -> list[int]:
+    """verl packs each entry of `process_on_nodes` onto one node (STRICT_PACK), and
+    waits forever if it cannot: fill nodes by their free CPUs, or say why not."""
+    import ray
+
+    import time
+
+    free = sorted((int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]), reverse=True)
+    deadline = time.monotonic() + 30  # a just-closed session's placement group is released asynchronously
+    while (avail := ray.available_resources().get("CPU", 0)) < world_size and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if avail < world_size:
+        raise RuntimeError(f"verl peer needs {world_size} free CPUs; the cluster has {avail:g} free "
+                           "(close other sessions first)")
+    counts, left = [], world_size
+    for cpus in free:
+        take = min(cpus, left)
+        if take:
+            counts.append(take)
+            left -= take
+    return counts
+
+
 def measure(plan: Plan, world_size: int, steps: int, warmup: int = 1, seed: int = 0) -> list[dict]:
     """verl's dispatch over the DAG's stages (dp = world size for all, verl's default);
     one record per measured step: wall_s, compute_s, data_plane_s."""
@@ -69,7 +92,7 @@ def measure(plan: Plan, world_size: int, steps: int, warmup: int = 1, seed: int 
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
     threads = max(1, (__import__("os").cpu_count() or 1) // world_size)
-    pool = RayResourcePool(process_on_nodes=[world_size], use_gpu=False, max_colocate_count=1)
+    pool = RayResourcePool(process_on_nodes=processes_per_node(world_size), use_gpu=False, max_colocate_count=1)
     cls = RayClassWithInitArgs(cls=ray.remote(_worker_class()), plan=plan, seed=seed, threads=threads)
     wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
     first = plan.stages[0]
@@ -93,4 +116,6 @@ def measure(plan: Plan, world_size: int, steps: int, warmup: int = 1, seed: int 
     finally:
         for w in wg.workers:
             ray.kill(w)
+        for pg in pool.pgs or []:  # else each configuration leaks its CPUs and the next one waits forever
+            ray.util.remove_placement_group(pg)
     return out
