@@ -73,7 +73,7 @@ class DataBuffer:
         self._counts: dict[tuple[int, str], _Count] = {}
         self._done: deque[_Count] = deque(maxlen=10_000)
         self._aborted: dict[int, str] = {}
-        self._progress: dict[int, tuple[int, str]] = {}  # worker -> (step, stage) last started
+        self._progress: dict[int, tuple[int, str, int]] = {}  # worker -> (step, stage, stamp) last started
         # A restarted buffer has lost its state: refuse the steps in flight until the
         # driver has reset them (reset_step), instead of waiting for pieces that never come.
         with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
@@ -196,12 +196,15 @@ class DataBuffer:
         self._store.release(step)
         return aborted
 
-    async def note_progress(self, worker: int, step: int, stage: str) -> None:
-        """Workers say which stage they start (fire and forget): who was where when one died."""
-        self._progress[worker] = (step, stage)
+    async def note_progress(self, worker: int, step: int, stage: str, stamp: int) -> None:
+        """Workers say which stage they start (fire and forget): who was where when one died.
+        An async actor may run calls out of submission order, so the newest `stamp`
+        (the worker's CLOCK_MONOTONIC, shared by the processes of a node) wins."""
+        if stamp >= self._progress.get(worker, (0, "", -1))[2]:
+            self._progress[worker] = (step, stage, stamp)
 
     async def progress(self) -> dict[int, tuple[int, str]]:
-        return dict(self._progress)
+        return {w: (step, stage) for w, (step, stage, _) in self._progress.items()}
 
     async def abort(self, step: int, reason: str) -> None:
         """Fail every waiter of `step` (a worker died or a stage raised) so nobody hangs."""

@@ -6,6 +6,7 @@ the edge and the buffer, so the driver can retry the step or report it.
 """
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -40,7 +41,8 @@ class BufferClient:
 
     def note_progress(self, step: int, stage: str) -> None:
         if self.buffers:  # fire and forget: never on the critical path
-            self.last_note = self._buffer_of(self.rank).note_progress.remote(self.rank, step, stage)
+            self.last_note = self._buffer_of(self.rank).note_progress.remote(self.rank, step, stage,
+                                                                             time.monotonic_ns())
 
     def flush_progress(self) -> None:
         """Make sure the last progress note arrived (before a planned exit)."""
