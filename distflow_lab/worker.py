@@ -128,6 +128,9 @@ class DAGWorker:
         self.outputs: dict[str, Batch] = {}
         self.engines: dict[str, Any] = {}
         self.loader: ShardedLoader | None = None
+        self.groups: dict[str, Any] = {}
+        self.faults: list[dict] = []
+        self._loader_at_step_start: dict | None = None
 
     # ---- lifecycle ---------------------------------------------------------------
     def setup(self, s: WorkerSetup) -> dict:
@@ -168,12 +171,12 @@ class DAGWorker:
         return {st.id: made[(st.dp, st.group_size)] for st in self.plan.stages}
 
     def _reset(self) -> None:
-        self.cache.clear()
-        self.outputs.clear()
+        self._clear_step()
         for e in self.engines.values():
             if hasattr(e, "close"):
                 e.close()
         self.engines, self.loader, self.faults = {}, None, []
+        self._loader_at_step_start = None  # a reused worker must not restore the last plan's loader
         self.rec.take()
 
     def init_process_group(self, master_addr: str, port: int, backend: str = "gloo",
@@ -190,11 +193,7 @@ class DAGWorker:
         return True
 
     def close(self) -> None:
-        self.cache.clear()
-        self.outputs.clear()
-        for e in self.engines.values():
-            if hasattr(e, "close"):
-                e.close()
+        self._reset()
         try:
             import torch.distributed as dist
 
@@ -205,14 +204,17 @@ class DAGWorker:
 
     # ---- distributed mode --------------------------------------------------------
     def run_step(self, step: int) -> list[StageResult]:
-        return [self.run_stage(step, i) for i in range(len(self.plan.stages))]
+        results = []
+        for i, st in enumerate(self.plan.stages):
+            self.client.note_progress(step, st.id)  # read only to name the stage of a "(whole step)" failure
+            results.append(self.run_stage(step, i))
+        return results
 
     def run_stage(self, step: int, index: int) -> StageResult:
         st = self.plan.stages[index]
         t0 = time.perf_counter()
         if index == 0:
             self._start_step()
-        self.client.note_progress(step, st.id)
         self._maybe_fault(step, st, "kill_buffer")  # before the input: the fetch meets the dead buffer
         batch, route, hit = self._input(step, st)
         self._maybe_fault(step, st, "exit")  # mid-stage: input fetched, compute not done
@@ -279,7 +281,7 @@ class DAGWorker:
         dp_rank = st.dp_rank(self.rank)
         return StageContext(step, st, self.rank, self.world_size, dp_rank, st.dp, st.group_rank(self.rank),
                             stage_seed(self.s.seed, step, st.index, dp_rank), self.node, self.s.config,
-                            self.engines, self.loader, recorder=self.rec, groups=getattr(self, "groups", {}))
+                            self.engines, self.loader, recorder=self.rec, groups=self.groups)
 
     # ---- centralized mode ----------------------------------------------------------
     def run_stage_centralized(self, step: int, index: int, chunk: list) -> tuple[list, bool, StageResult]:
@@ -319,17 +321,19 @@ class DAGWorker:
         return small.pick(columns) if columns else small
 
     # ---- faults and retries ----------------------------------------------------------
-    def _start_step(self) -> None:
+    def _clear_step(self) -> None:
         self.cache.clear()
         self.outputs.clear()
+
+    def _start_step(self) -> None:
+        self._clear_step()
         if self.loader is not None:  # where this step's data starts, should the step be retried
             self._loader_at_step_start = self.loader.state_dict()
 
     def rewind(self) -> bool:
         """Undo the current step's data loading so the same step can run again."""
-        self.cache.clear()
-        self.outputs.clear()
-        if self.loader is not None and getattr(self, "_loader_at_step_start", None):
+        self._clear_step()
+        if self.loader is not None and self._loader_at_step_start:
             self.loader.load_state_dict(self._loader_at_step_start)
         return True
 
@@ -341,7 +345,9 @@ class DAGWorker:
         return len(self.faults)
 
     def _maybe_fault(self, step: int, st: Stage, action: str) -> None:
-        for f in list(getattr(self, "faults", [])):
+        if not self.faults:
+            return
+        for f in list(self.faults):
             if f["step"] == step and f["stage"] == st.id and f["action"] == action:
                 if f.get("skip", 0) > 0:  # e.g. skip=1: strike on the retry, not the first attempt
                     f["skip"] -= 1

@@ -36,9 +36,12 @@ def create(dag: DAG, config: SessionConfig | dict | None = None, mode: str | Non
         data["mode"] = mode
     cfg = load_model(SessionConfig, data)
     cfg.algo = algo
+    if reuse is not None and not Controller._can_reuse(cfg, reuse):
+        reuse.close()  # nothing to take over: free its slots first, or a full cluster cannot place the new workers
+        reuse = None
     new = MODES[cfg.mode](dag, cfg, engines=engines, reuse=reuse)
     if reuse is not None:
-        reuse.close()  # frees what was not taken over (all of it, if the placement differed)
+        reuse.close()  # frees what was not taken over
     return new
 
 

@@ -47,7 +47,9 @@ class Controller:
         self.placement: Placement | None = None
         self.last_checkpoint: Path | None = None
         self.retries: list[dict] = []  # steps re-run after a DataBuffer died
-        self._reuse = reuse if reuse is not None and self._can_reuse(reuse) else None
+        self.broken: str | None = None  # why the workers cannot run another step (until resume())
+        self._inflight: list = []  # the refs of the last gather, awaited by _settle after a failure
+        self._reuse = reuse if reuse is not None and self._can_reuse(config, reuse) else None
         first = self.plan.stages[0]
         if first.type == "data_load":  # bad data fails here, before any worker starts
             from ..data.loader import check_data_node
@@ -86,12 +88,14 @@ class Controller:
         self.placement = Placement(workers, nodes, [], [], [0] * len(workers), pg)
         return self.placement
 
-    def _can_reuse(self, other: "Controller") -> bool:
-        """Same placement request and healthy workers: a new plan can run on them."""
-        a, b = self.config.cluster, other.config.cluster
+    @staticmethod
+    def _can_reuse(config: Any, other: "Controller") -> bool:
+        """Same placement request and healthy workers: a new plan can run on them.
+        Static: `create` decides before placing anything (config only)."""
+        a, b = config.cluster, other.config.cluster
         same = (a.world_size, a.cpus_per_worker, a.gpus_per_worker, a.placement) == \
                (b.world_size, b.cpus_per_worker, b.gpus_per_worker, b.placement)
-        return same and other.placement is not None and not getattr(other, "broken", None)
+        return same and other.placement is not None and not other.broken
 
     @property
     def workers(self) -> list:
@@ -159,7 +163,7 @@ class Controller:
     def _settle(self) -> bool:
         """Wait (bounded) until every worker has left the failed call; False if some
         are stuck (e.g. in a collective with a failed peer) or dead."""
-        inflight = getattr(self, "_inflight", [])
+        inflight = self._inflight
         done, pending = ray.wait(inflight, num_returns=len(inflight), timeout=min(60.0, self.config.cluster.stage_timeout_s))
         dead = False
         for r in done:
@@ -175,19 +179,25 @@ class Controller:
         """After a failed step: put every loader back where the step started, so the
         next step() runs the same step on the same data (nothing skipped)."""
         self._current, self.next_stage = [], 0
-        if not self._settle():
+        if not self._recover(step):
             self.broken = (f"step {step} failed and some workers are dead or still busy in it "
                            "(a collective waiting for a failed peer?): call resume() to restart them "
                            "from the last checkpoint")
-            return
+
+    def _recover(self, step: int) -> bool:
+        """Make `step` runnable again: every worker out of it, its buffer state gone,
+        every loader back at its start. False if some workers are stuck or dead."""
+        if not self._settle():
+            return False
         self._reset_step(step)
         ray.get([w.rewind.remote() for w in self.workers], timeout=30)
+        return True
 
     def _reset_step(self, step: int) -> None:
         pass
 
     def _check_usable(self) -> None:
-        if getattr(self, "broken", None):
+        if self.broken:
             raise RuntimeError(self.broken)
 
     # ---- the cursor ---------------------------------------------------------------------
@@ -254,6 +264,26 @@ class Controller:
             raise KeyError(f"worker {worker} holds no output of stage {stage!r} yet (run it first; "
                            "keep_outputs must be on)")
         return out
+
+    def redistribution_lengths(self) -> dict:
+        """For each redistribute edge: the token length of every item its producers
+        emitted in the latest step (global order) and the consumers' dp size."""
+        import numpy as np
+
+        out = {}
+        for e in self.plan.edges:
+            if e.kind != "redistribute":
+                continue
+            src, dst = self.plan.stages[e.src], self.plan.stages[e.dst]
+            writers = [w for w in range(len(self.workers)) if src.group_rank(w) == 0]
+            parts = ray.get([self.workers[w].lengths.remote(src.id) for w in writers])
+            if all(p is not None for p in parts):
+                out[e.name] = (np.concatenate(parts), dst.dp)
+        return out
+
+    def ledger(self) -> pd.DataFrame:
+        """DataBuffer items in/out per (step, edge); none here (distributed mode has buffers)."""
+        return pd.DataFrame()
 
     # ---- checkpoints ------------------------------------------------------------------
     def fingerprint(self) -> dict:

@@ -44,6 +44,7 @@ class CentralizedController(Controller):
                         if first.type == "data_load" else [])
         self.batch = Batch.empty()  # the global batch lives on the driver between stages
         self.rank_sizes: list[int] = []
+        self._loaders_at_step_start: list[dict] = []  # where the loaders stood when this step began
 
     def _run_stage(self, step: int, index: int) -> StageReport:
         st = self.plan.stages[index]
@@ -107,7 +108,7 @@ class CentralizedController(Controller):
             sp.items, sp.bytes = len(self.batch), merged.nbytes
 
     def _rewind(self, step: int) -> None:
-        for ld, state in zip(self.loaders, getattr(self, "_loaders_at_step_start", [])):
+        for ld, state in zip(self.loaders, self._loaders_at_step_start):
             ld.load_state_dict(state)
         super()._rewind(step)
 

@@ -18,8 +18,11 @@ from .workers import place_buffers
 class DistributedController(Controller):
     mode = "distributed"
 
+    def __init__(self, *args, **kwargs) -> None:
+        self.ledger_rows: list[dict] = []  # before _start (called by the base): resume() keeps them
+        super().__init__(*args, **kwargs)
+
     def _start(self) -> None:
-        self.ledger_rows: list[dict] = getattr(self, "ledger_rows", [])
         p = self._place()
         sw, c = self.config.switches, self.config.cluster
         p.buffers, p.buffer_nodes, p.buffer_of_worker = place_buffers(
@@ -68,10 +71,8 @@ class DistributedController(Controller):
     def _prepare_retry(self, step: int, err: BufferLost) -> None:
         for b in self.placement.buffers:
             self._wait_alive(b)
-        if not self._settle():
+        if not self._recover(step):
             raise err
-        self._reset_step(step)
-        ray.get([w.rewind.remote() for w in self.workers])
         self.retries.append({"step": step, "stage": err.stage, "worker": err.worker, "reason": err.summary})
 
     def _run_whole_step_once(self, step: int) -> list[StageReport]:

@@ -26,6 +26,7 @@ import asyncio
 import gc
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,8 +79,8 @@ class DataBuffer:
         # driver has reset them (reset_step), instead of waiting for pieces that never come.
         with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
             warnings.simplefilter("ignore")
-            self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        self._accept_from = float("inf") if self.restarted else float("-inf")
+            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self._accept_from = float("inf") if restarted else float("-inf")
         self.node_id = ray.get_runtime_context().get_node_id()
         gc.collect()
         gc.freeze()  # keep the event loop's GC pauses short (Ray's own objects are many)
@@ -101,6 +102,17 @@ class DataBuffer:
         if c is None:
             c = self._counts[(step, edge)] = _Count(step, edge)
         return c
+
+    def _pop_counts(self, closed: Callable[[int], bool], suffix: str = "") -> list[dict]:
+        """Move the counts of the `closed` steps to the finished ones (their edge name
+        + `suffix`); returns them as ledger rows."""
+        rows = []
+        for key in [k for k in self._counts if closed(k[0])]:
+            c = self._counts.pop(key)
+            c.edge += suffix
+            self._done.append(c)
+            rows.append({**c.__dict__, "buffer": self.index})
+        return rows
 
     async def _wait(self, event: asyncio.Event, step: int, what: str) -> None:
         try:
@@ -174,23 +186,13 @@ class DataBuffer:
         """Release the step's store (background with the double buffer). Returns the
         critical-path seconds and the step's item counts (the driver keeps them: they
         survive this actor)."""
-        counts = []
-        for key in [k for k in self._counts if k[0] <= step]:
-            c = self._counts.pop(key)
-            self._done.append(c)
-            counts.append({**c.__dict__, "buffer": self.index})
+        counts = self._pop_counts(lambda s: s <= step)
         return self._store.release(step), counts
 
     async def reset_step(self, step: int) -> list[dict]:
         """Forget an aborted attempt of `step` so it can run again (its partial
         counts stay in the ledger, marked as an aborted attempt)."""
-        aborted = []
-        for key in [k for k in self._counts if k[0] == step]:
-            c = self._counts.pop(key)
-            c = _Count(c.step, c.edge + " (aborted attempt)", c.items_reported, c.items_in, c.items_out,
-                       c.pieces_in, c.pieces_out)
-            self._done.append(c)
-            aborted.append({**c.__dict__, "buffer": self.index})
+        aborted = self._pop_counts(lambda s: s == step, " (aborted attempt)")
         self._aborted.pop(step, None)
         self._accept_from = min(self._accept_from, step)
         self._store.release(step)

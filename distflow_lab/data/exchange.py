@@ -24,6 +24,7 @@ from .routing import item_lengths
 class BufferClient:
     def __init__(self, buffers: list, buffer_of_worker: list[int], rank: int, rec: SpanRecorder) -> None:
         self.buffers, self.buffer_of_worker, self.rank, self.rec = buffers, buffer_of_worker, rank, rec
+        self.last_note = None  # the latest note_progress call, awaited before a planned exit
 
     def _buffer_of(self, worker: int):
         return self.buffers[self.buffer_of_worker[worker]]
@@ -46,7 +47,7 @@ class BufferClient:
 
     def flush_progress(self) -> None:
         """Make sure the last progress note arrived (before a planned exit)."""
-        if getattr(self, "last_note", None) is not None:
+        if self.last_note is not None:
             ray.get(self.last_note, timeout=5)
 
     def publish(self, step: int, edge: Edge, st: Stage, consumer: Stage, out: Batch, policy: str) -> None:

@@ -156,16 +156,23 @@ def check_shards(name: str, n: int, dp_size: int, local_batch: int) -> list[int]
     return sizes
 
 
-def check_data_node(config: dict[str, Any], dp_size: int) -> list[int]:
-    """What `make_loader` would check, from metadata only (row counts), so a bad data
-    node fails in the driver before any worker starts."""
+def _data_node(config: dict[str, Any], dp_size: int) -> tuple[Any, int, int | None]:
+    """A data node's source, global batch size and (synthetic sources only) row count, checked."""
     source = config.get("source")
     if source is None:
         raise DataSourceError("data node config needs 'source' (a .parquet/.jsonl path or 'synthetic')")
     batch_size = int(config.get("batch_size", dp_size))
     if batch_size % dp_size:
         raise DataSourceError(f"data batch_size {batch_size} is not divisible by the data-parallel size {dp_size}")
-    n = int(config.get("num_rows", 4 * batch_size)) if source == "synthetic" else open_source(source).num_rows()
+    rows = int(config.get("num_rows", 4 * batch_size)) if source == "synthetic" else None
+    return source, batch_size, rows
+
+
+def check_data_node(config: dict[str, Any], dp_size: int) -> list[int]:
+    """What `make_loader` would check, from metadata only (row counts), so a bad data
+    node fails in the driver before any worker starts."""
+    source, batch_size, rows = _data_node(config, dp_size)
+    n = rows if rows is not None else open_source(source).num_rows()
     return check_shards(str(source), n, dp_size, batch_size // dp_size)
 
 
@@ -247,18 +254,13 @@ def make_loader(config: dict[str, Any], dp_rank: int, dp_size: int, seed: int) -
     synthetic sources `num_rows`, `mean_len`, `sigma`, `max_len`, `lengths_from`
     (a jsonl whose `question` lengths give real prompt lengths, e.g. GSM8K)."""
     cfg = dict(config)
-    source: Any = cfg.get("source")
-    if source is None:
-        raise DataSourceError("data node config needs 'source' (a .parquet/.jsonl path or 'synthetic')")
-    batch_size = int(cfg.get("batch_size", dp_size))
-    if batch_size % dp_size:
-        raise DataSourceError(f"data batch_size {batch_size} is not divisible by the data-parallel size {dp_size}")
+    source, batch_size, num_rows = _data_node(cfg, dp_size)
     if source == "synthetic":
         lengths = None
         if cfg.get("lengths_from"):
             rows = JsonlSource(cfg["lengths_from"]).read_rows(0, 10**9)
             lengths = [len(q) for q in rows.get("question", [])]
-        source = SyntheticSource(int(cfg.get("num_rows", 4 * batch_size)), float(cfg.get("mean_len", 200.0)),
+        source = SyntheticSource(num_rows, float(cfg.get("mean_len", 200.0)),
                                  float(cfg.get("sigma", 0.5)), int(cfg.get("max_len", 1024)), seed, lengths)
     return ShardedLoader(source, dp_rank, dp_size, batch_size // dp_size, seed, bool(cfg.get("shuffle", True)))
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from .balance import constrained_lpt, contiguous_split, karmarkar_karp
+from .balance import constrained_lpt, karmarkar_karp
 
 if TYPE_CHECKING:  # the DataBuffer imports this module and must stay free of torch
     from .batch import Batch
@@ -37,9 +37,9 @@ def assign(lengths: np.ndarray, consumers: int, policy: BalancePolicy) -> list[n
     one and are dropped afterwards: counts then differ by at most one.
     """
     n = len(lengths)
-    pad = (-n) % consumers
-    if pad and policy == "none":
+    if policy == "none":  # contiguous chunks; sizes differ by at most one when n % consumers != 0
         return [p.astype(np.int64) for p in np.array_split(np.arange(n), consumers)]
+    pad = (-n) % consumers
     if pad:
         padded = np.concatenate([np.asarray(lengths), np.zeros(pad, dtype=np.asarray(lengths).dtype)])
         return [p[p < n] for p in assign(padded, consumers, policy)]
@@ -47,8 +47,6 @@ def assign(lengths: np.ndarray, consumers: int, policy: BalancePolicy) -> list[n
         parts = constrained_lpt(lengths, consumers)
     elif policy == "kk":
         parts = karmarkar_karp(lengths, consumers)
-    elif policy == "none":
-        parts = contiguous_split(n, consumers)
     else:
         raise ValueError(f"unknown balance policy {policy!r}; use 'lpt', 'kk' or 'none'")
     return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]

@@ -17,10 +17,16 @@ def sample_rows(batch: Batch, n: int, tokenizer: Any = None, worker: int = 0) ->
     rows: list[dict] = [{"worker": worker} for _ in range(len(small))]
     for name in ("prompts", "responses"):
         if name in small.tensors:
-            mask = small["attention_mask"][:, :small[name].shape[1]] if name == "prompts" else small["response_mask"]
-            for r, ids, m in zip(rows, small[name], mask):
-                kept = ids[m.bool()].tolist()
-                r[name[:-1]] = tokenizer.decode(kept, skip_special_tokens=True) if tokenizer else f"<{len(kept)} tokens>"
+            ids = small[name]
+            mask = small["attention_mask"][:, :ids.shape[1]] if name == "prompts" else small["response_mask"]
+            if tokenizer:  # the import pulls in transformers: only when decoding
+                from ..engines.rollout_hf import decode_responses
+
+                texts = decode_responses(tokenizer, ids, mask)
+            else:
+                texts = [f"<{int(m.bool().sum())} tokens>" for m in mask]
+            for r, text in zip(rows, texts):
+                r[name[:-1]] = text
     mask = small.tensors.get("response_mask")
     for name, t in small.tensors.items():
         if t.dim() == 1 and t.is_floating_point():
