@@ -25,8 +25,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from .bench.common import int_list, print_table, write_json
-from .bench.dataplane import close_pool, measure, start_cluster
-from .synthetic import synthetic_grpo
+from .bench.dataplane import bench_dag, close_pool, measure, start_cluster, stop_cluster
 
 RUNGS: list[tuple[str, dict]] = [
     ("O1 baseline", dict(local_cache=False, double_buffer=False, balance="none", num_buffers=1)),
@@ -46,34 +45,25 @@ def median_ci(x: np.ndarray, n_boot: int = 2000, seed: int = 0) -> tuple[float, 
     return float(np.median(x)), float(lo), float(hi)
 
 
-def ablation_dag(batch: int, context: int, n: int = 4, us_per_token: float = 1.0, rollout_tp: int = 2):
-    return synthetic_grpo(batch_size=batch // n, n=n, max_prompt_len=context // 2, max_response_len=context // 2,
-                          rollout_tp=rollout_tp, us_per_token=us_per_token, response_len_sigma=1.0)
-
-
 def run(batches: list[int], repeats: int = 8, workers: int = 4, nodes: int = 2, context: int = 2048,
         us_per_token: float = 1.0, out: str | Path | None = None) -> pd.DataFrame:
     cluster = start_cluster(nodes, workers)
     rows, pool = [], {}  # one set of worker processes for every rung
     try:
         for batch in batches:
-            dag = ablation_dag(batch, context, us_per_token=us_per_token)
+            dag = bench_dag(batch, context, workers, us_per_token=us_per_token, response_len_sigma=1.0)
             for rung, switches in tqdm(RUNGS, desc=f"batch {batch}", leave=False):
                 steps = measure(dag, "distributed", workers, repeats, pool=pool, **switches)
-                wall = np.array([s["wall_s"] for s in steps])
+                wall, dp = np.array([s["wall_s"] for s in steps]), [s["data_plane_s"] for s in steps]
                 med, lo, hi = median_ci(wall)
                 rows.append({"rung": rung, "batch": batch, "median": med, "lo": lo, "hi": hi,
-                             "data_plane_median": float(np.median([s["data_plane_s"] for s in steps])),
+                             "data_plane_median": float(np.median(dp)),
                              "repeats": len(steps), "step_s": wall.tolist(),  # the raw samples, for intervals
-                             "data_plane_s": [s["data_plane_s"] for s in steps],
+                             "data_plane_s": dp,
                              **{k: str(v) for k, v in switches.items()}})
     finally:
         close_pool(pool)
-        if cluster is not None:
-            from .cluster import shutdown
-
-            shutdown()
-            cluster.shutdown()
+        stop_cluster(cluster)
     df = pd.DataFrame(rows)
     base = df[df.rung == RUNGS[0][0]].set_index("batch")["median"]
     df["speedup"] = df["batch"].map(base) / df["median"]

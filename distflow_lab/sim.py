@@ -26,7 +26,6 @@ the centralized driver moves V ~ B bytes and makes S_c*D calls and 2*S_c*D objec
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 
@@ -314,24 +313,22 @@ def measure_scaling(workers=(1, 2, 4, 8), contexts=(1024,), nodes: int = 2, batc
     `bench.dataplane.measure`: per (mode, workers, context) median, `_lo` (min), `_hi` (max) over
     `repeats` steps of step/data-plane/compute seconds and throughput; B = batch_per_worker *
     (workers, or max(workers) if "constant"). `spans_at=(workers, context)`: one more session per
-    mode there, its spans and step walls in columns `spans`, `walls` (for `calibrate`)."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    mode there, its spans and step walls in columns `spans`, `walls` (for `calibrate`; a separate
+    session, so the check at that point also shows how much two sessions differ)."""
     from . import controller
-    from .bench.dataplane import close_pool, measure, start_cluster
-    from .cluster import shutdown
-    from .synthetic import synthetic_grpo as grpo
+    from .bench.dataplane import bench_dag, close_pool, measure, start_cluster, stop_cluster
 
     sim, rows, pool = start_cluster(nodes, max(workers)), [], {}
     try:
         for w, ctx in [(w, c) for w in workers for c in contexts]:
             b = batch_per_worker * (w if batch_mode == "proportional" else max(workers))
-            tp = rollout_tp if w % rollout_tp == 0 and w >= rollout_tp else 1  # one redistribution per step
-            dag = grpo(b // n, n, ctx // 2, ctx // 2, rollout_tp=tp, us_per_token=us_per_token)
+            dag = bench_dag(b, ctx, w, n, rollout_tp, us_per_token=us_per_token)
             for m in modes:
                 r = pd.DataFrame(measure(dag, m, w, repeats, pool=pool)).rename(columns={"wall_s": "step_s"})
                 r["throughput"] = b * ctx / r["step_s"]
-                row = {"mode": m, "workers": w, "nodes": min(nodes, w), "context": ctx, "batch": b, "rollout_tp": tp,
-                       "batch_mode": batch_mode, "repeats": len(r), "bytes_moved": r["bytes_moved"].median()}
+                row = {"mode": m, "workers": w, "nodes": min(nodes, w), "context": ctx, "batch": b,
+                       "rollout_tp": dag["rollout"].layout.tp, "batch_mode": batch_mode, "repeats": len(r),
+                       "bytes_moved": r["bytes_moved"].median()}
                 for k in ("step_s", "data_plane_s", "compute_s", "throughput"):
                     row.update({k: r[k].median(), f"{k}_lo": r[k].min(), f"{k}_hi": r[k].max()})
                 if spans_at == (w, ctx):
@@ -344,7 +341,5 @@ def measure_scaling(workers=(1, 2, 4, 8), contexts=(1024,), nodes: int = 2, batc
                 rows.append(row)
     finally:
         close_pool(pool)
-        shutdown()
-        if sim is not None:
-            sim.shutdown()
+        stop_cluster(sim)
     return pd.DataFrame(rows)

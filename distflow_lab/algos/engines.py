@@ -30,9 +30,6 @@ class WeightSync:
 
 
 def setup_engines(ctx: Any, cfg: RunConfig) -> dict[str, Any]:
-    import transformers
-
-    transformers.logging.disable_progress_bar()  # no "Loading weights" bars from every worker in the notebook
     torch.manual_seed(cfg.seed)
     dtype = getattr(torch, cfg.model.dtype)
     model, tokenizer = load_model_dir(cfg.model.path, dtype=dtype)

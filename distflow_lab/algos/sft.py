@@ -29,9 +29,6 @@ def warm_start(cfg: RunConfig, data_path: str, progress: bool = True) -> Path:
     ws, out = cfg.model.warm_start, warm_start_dir(cfg)
     if ws.steps == 0 or has_model(out):
         return out if ws.steps else Path(cfg.model.path)
-    import transformers
-
-    transformers.logging.disable_progress_bar()
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(cfg.seed)
     model, tok = load_model_dir(cfg.model.path)

@@ -9,12 +9,20 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from ..analysis import step_table
+
 
 def summarize(xs: Iterable[float]) -> dict[str, float]:
     a = np.asarray(list(xs), dtype=float)
     lo, hi = np.percentile(a, [2.5, 97.5]) if len(a) > 1 else (a[0], a[0])
     return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()),
             "p2_5": float(lo), "p97_5": float(hi), "n": int(len(a))}
+
+
+def step_row(rep, spans: pd.DataFrame | None = None) -> dict:
+    """One step's wall_s, compute_s, data_plane_s, bytes_moved (`spans`: rep.spans, if already built)."""
+    spans = rep.spans if spans is None else spans
+    return step_table(spans, pd.Series({rep.step: rep.wall_seconds})).iloc[0].to_dict()
 
 
 def memcpy_gbps(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:

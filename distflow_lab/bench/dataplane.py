@@ -12,17 +12,26 @@ be read as ratios.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
 import numpy as np
-import pandas as pd
 from tqdm.auto import tqdm
 
 from .. import controller
-from ..analysis import step_table, stage_breakdown
+from ..analysis import stage_breakdown
 from ..synthetic import synthetic_grpo
-from .common import int_list, memcpy_gbps, print_table, summarize, write_json
+from .common import int_list, memcpy_gbps, print_table, step_row, summarize, write_json
+
+
+def bench_dag(batch: int, context: int, workers: int, n: int = 4, rollout_tp: int = 2, **kw):
+    """The synthetic GRPO DAG of the benchmarks: `batch` responses per step, prompt and response
+    `context // 2` each; `kw` goes to `synthetic_grpo`. The rollout runs at tp = `rollout_tp`
+    where it divides `workers` (one redistribution per step), else at tp = 1."""
+    tp = rollout_tp if workers % rollout_tp == 0 and workers >= rollout_tp else 1
+    return synthetic_grpo(batch_size=batch // n, n=n, max_prompt_len=context // 2, max_response_len=context // 2,
+                          rollout_tp=tp, **kw)
 
 
 def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, pool: dict | None = None,
@@ -41,8 +50,7 @@ def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, pool: 
         for _ in range(steps):
             rep = s.step()
             spans = rep.spans
-            row = step_table(spans, pd.Series({rep.step: rep.wall_seconds})).iloc[0]
-            out.append({"mode": mode, "step": rep.step, **row.to_dict(),
+            out.append({"mode": mode, "step": rep.step, **step_row(rep, spans),
                         "breakdown": stage_breakdown(spans, [st.stage_id for st in rep.stages])})
         return out
     finally:
@@ -95,6 +103,8 @@ def start_cluster(nodes: int, max_workers: int):
         return None
     from ray.cluster_utils import Cluster
 
+    # loopback only; Cluster() starts Ray before connect() could set this
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     per_node = max(1, -(-max_workers // nodes))  # ceil: workers spread over every node
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": per_node, "include_dashboard": False})
     for _ in range(nodes - 1):
@@ -104,6 +114,42 @@ def start_cluster(nodes: int, max_workers: int):
     return c
 
 
+def stop_cluster(c) -> None:
+    """Undo `start_cluster(nodes > 1)`: disconnect, then stop the simulated nodes. A
+    single-node run (`c` None) stays connected: it may be the notebook's own cluster."""
+    if c is None:
+        return
+    from ..cluster import shutdown
+
+    shutdown()
+    c.shutdown()
+
+
+def config_records(by_mode: dict, bw: float, **config) -> list[dict]:
+    """One record per mode of one configuration (medians over its steps), and on each
+    dist_over_central / dist_over_verl: distributed's median data plane over that mode's."""
+    out = []
+    for m, steps in by_mode.items():
+        dp = summarize(r["data_plane_s"] for r in steps)
+        out.append({
+            "mode": m, **config,
+            "data_plane_s_median": dp["median"], "data_plane_s_min": dp["min"], "data_plane_s_max": dp["max"],
+            "step_s_median": summarize(r["wall_s"] for r in steps)["median"],
+            "compute_s_median": summarize(r["compute_s"] for r in steps)["median"],
+            "bytes_moved": int(np.median([r["bytes_moved"] for r in steps])) if "bytes_moved" in steps[0] else None,
+            "memcpy_gbps": bw,  # bytes_moved: None for verl (its transfers are not instrumented)
+            "repeats": len(steps),
+            "breakdown": (steps[len(steps) // 2]["breakdown"].round(5).reset_index().to_dict("records")
+                          if "breakdown" in steps[0] else None),
+        })
+    med = {r["mode"]: r["data_plane_s_median"] for r in out}
+    for key, other in (("dist_over_central", "centralized"), ("dist_over_verl", "verl")):
+        if "distributed" in med and other in med:
+            for r in out:
+                r[key] = float(med["distributed"] / med[other]) if med[other] > 0 else None
+    return out
+
+
 def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int = 5, n: int = 4,
         rollout_tp: int = 2, modes: tuple[str, ...] | None = None,
         json_path: str | None = None, control: bool = True, nodes: int = 1) -> list[dict]:
@@ -111,57 +157,35 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
 
     modes = modes or ("distributed", "centralized", *(("verl",) if verl_peer.available() else ()))
     sim_cluster = start_cluster(nodes, max(workers))
-    bw = memcpy_gbps()
-    records: list[dict] = []
     pool: dict = {}  # reuse worker processes across configurations of one world size
-    configs = [(w, c) for w in workers for c in contexts]
-    for w, ctx_len in tqdm(configs, desc="dataplane configs"):
-        tp = rollout_tp if w % rollout_tp == 0 and w >= rollout_tp else 1  # one redistribution per step
-        dag = synthetic_grpo(batch_size=batch // n, n=n, max_prompt_len=ctx_len // 2, max_response_len=ctx_len // 2,
-                             rollout_tp=tp)
-        by_mode = {}
-        for m in modes:
-            if m == "verl":
-                close_pool(pool)  # verl's workers need the CPUs the pooled session holds
-                by_mode[m] = verl_peer.measure(dag.plan(w), w, repeats)
-            else:
-                by_mode[m] = measure(dag, m, w, repeats, pool=pool)
-        for m, steps in by_mode.items():
-            dp = summarize(r["data_plane_s"] for r in steps)
-            records.append({
-                "mode": m, "workers": w, "nodes": nodes, "context": ctx_len, "batch": batch, "rollout_tp": tp,
-                "data_plane_s_median": dp["median"], "data_plane_s_min": dp["min"], "data_plane_s_max": dp["max"],
-                "step_s_median": summarize(r["wall_s"] for r in steps)["median"],
-                "compute_s_median": summarize(r["compute_s"] for r in steps)["median"],
-                "bytes_moved": int(np.median([r["bytes_moved"] for r in steps])) if "bytes_moved" in steps[0] else None,
-                "memcpy_gbps": bw,  # bytes_moved: None for verl (its transfers are not instrumented)
-                "repeats": len(steps),
-                "breakdown": (steps[len(steps) // 2]["breakdown"].round(5).reset_index().to_dict("records")
-                              if "breakdown" in steps[0] else None),
-            })
-        if {"distributed", "centralized"} <= set(by_mode):
-            d = np.median([r["data_plane_s"] for r in by_mode["distributed"]])
-            c = np.median([r["data_plane_s"] for r in by_mode["centralized"]])
-            for r in records[-len(by_mode):]:
-                r["dist_over_central"] = float(d / c) if c > 0 else None
-                if "verl" in by_mode:
-                    v = np.median([x["data_plane_s"] for x in by_mode["verl"]])
-                    r["dist_over_verl"] = float(d / v) if v > 0 else None
-    close_pool(pool)
-    cols = ["mode", "workers", "nodes", "context", "batch", "data_plane_s_median", "data_plane_s_min", "data_plane_s_max",
-            "bytes_moved", "dist_over_central", "dist_over_verl", "step_s_median", "memcpy_gbps"]
-    print_table(records, cols, title=f"data plane, seconds per step (median/min/max of {repeats} steps)")
-    if control:
-        ctrl = [control_plane_overhead(w) for w in workers]
-        print_table(ctrl, title="control plane: driver round trip per stage (trivial stages)")
-        for r in records:
-            r["control_plane_ms_per_stage"] = next(c["ms_per_stage_median"] for c in ctrl if c["workers"] == r["workers"])
-    write_json(records, json_path)
-    if sim_cluster is not None:
-        from ..cluster import shutdown
-
-        shutdown()
-        sim_cluster.shutdown()
+    try:
+        bw, records = memcpy_gbps(), []
+        for w, ctx_len in tqdm([(w, c) for w in workers for c in contexts], desc="dataplane configs"):
+            dag = bench_dag(batch, ctx_len, w, n, rollout_tp)
+            by_mode = {}
+            for m in modes:
+                if m == "verl":
+                    close_pool(pool)  # verl's workers need the CPUs the pooled session holds
+                    by_mode[m] = verl_peer.measure(dag.plan(w), w, repeats)
+                else:
+                    by_mode[m] = measure(dag, m, w, repeats, pool=pool)
+            records += config_records(by_mode, bw, workers=w, nodes=nodes, context=ctx_len, batch=batch,
+                                      rollout_tp=dag["rollout"].layout.tp)
+        close_pool(pool)
+        cols = ["mode", "workers", "nodes", "context", "batch", "data_plane_s_median", "data_plane_s_min",
+                "data_plane_s_max", "bytes_moved", "dist_over_central", "dist_over_verl", "step_s_median",
+                "memcpy_gbps"]
+        print_table(records, cols, title=f"data plane, seconds per step (median/min/max of {repeats} steps)")
+        if control:
+            ctrl = [control_plane_overhead(w) for w in workers]
+            print_table(ctrl, title="control plane: driver round trip per stage (trivial stages)")
+            for r in records:
+                r["control_plane_ms_per_stage"] = next(c["ms_per_stage_median"] for c in ctrl
+                                                       if c["workers"] == r["workers"])
+        write_json(records, json_path)
+    finally:
+        close_pool(pool)
+        stop_cluster(sim_cluster)
     return records
 
 

@@ -21,13 +21,11 @@ import argparse
 import math
 
 import numpy as np
-import pandas as pd
 import ray
 from tqdm.auto import tqdm
 
-from ..analysis import step_table
 from ..config import load_run_config
-from .common import int_list, print_table, summarize, write_json
+from .common import int_list, print_table, step_row, summarize, write_json
 
 
 def overrides_for(context: int, workers: int, prompts: int, n: int) -> list[str]:
@@ -53,7 +51,7 @@ def measure(context: int, mode: str, workers: int, prompts: int, n: int, steps: 
                 continue
             spans = rep.spans
             tokens = int(spans[(spans["stage"] == "rollout") & (spans["phase"] == "compute")]["tokens"].sum())
-            row = step_table(spans, pd.Series({rep.step: rep.wall_seconds})).iloc[0]
+            row = step_row(rep, spans)
             rows.append({"wall_s": rep.wall_seconds, "tokens": tokens, "data_plane_s": float(row["data_plane_s"]),
                          "bytes_moved": int(row["bytes_moved"]), "reward": rep.metrics.get("reward/mean", math.nan)})
         peaks = ray.get([w.memory.remote() for w in s.workers])

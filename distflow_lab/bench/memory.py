@@ -17,8 +17,8 @@ import ray
 from tqdm.auto import tqdm
 
 from .. import controller
-from ..synthetic import synthetic_grpo
 from .common import print_table, write_json
+from .dataplane import bench_dag, start_cluster
 
 
 def object_store_bytes() -> int:
@@ -37,14 +37,11 @@ def sample(session, step: int) -> dict:
 
 
 def run(steps: int = 200, mode: str = "distributed", batch: int = 64, context: int = 1024, workers: int = 4,
-        every: int = 5, progress: bool = True, **switches) -> pd.DataFrame:
-    from ..cluster import connect
-
-    connect(num_cpus=2 * workers)
-    dag = synthetic_grpo(batch_size=batch // 4, n=4, max_prompt_len=context // 2, max_response_len=context // 2,
-                         rollout_tp=2 if workers % 2 == 0 and workers > 2 else 1)
+        every: int = 5, progress: bool = True) -> pd.DataFrame:
+    start_cluster(1, workers)
+    dag = bench_dag(batch, context, workers)
     # keep_outputs off and a short span history: what is left to grow is the system itself
-    s = controller.create(dag, world_size=workers, mode=mode, keep_outputs=False, history_steps=10, **switches)
+    s = controller.create(dag, world_size=workers, mode=mode, keep_outputs=False, history_steps=10)
     rows = []
     try:
         for i in tqdm(range(steps), desc=f"memory ({mode})", disable=not progress, leave=False):

@@ -10,7 +10,9 @@ whether it can run.
 """
 from __future__ import annotations
 
+import os
 import time
+
 from ..dag import call_stage, resolve_function
 from ..data.batch import Batch
 from ..data.loader import make_loader
@@ -66,8 +68,6 @@ def processes_per_node(world_size: int) -> list[int]:
     waits forever if it cannot: fill nodes by their free CPUs, or say why not."""
     import ray
 
-    import time
-
     free = sorted((int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n["Alive"]), reverse=True)
     deadline = time.monotonic() + 30  # a just-closed session's placement group is released asynchronously
     while (avail := ray.available_resources().get("CPU", 0)) < world_size and time.monotonic() < deadline:
@@ -91,7 +91,7 @@ def measure(plan: Plan, world_size: int, steps: int, warmup: int = 1, seed: int 
     from verl import DataProto
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-    threads = max(1, (__import__("os").cpu_count() or 1) // world_size)
+    threads = max(1, (os.cpu_count() or 1) // world_size)
     pool = RayResourcePool(process_on_nodes=processes_per_node(world_size), use_gpu=False, max_colocate_count=1)
     cls = RayClassWithInitArgs(cls=ray.remote(_worker_class()), plan=plan, seed=seed, threads=threads)
     wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")

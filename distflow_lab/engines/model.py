@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -115,6 +116,7 @@ def load_model_dir(
         raise FileNotFoundError(f"model directory {directory} does not exist")
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"model directory {directory} has no config.json (not a HF checkpoint dir)")
+    transformers.logging.disable_progress_bar()  # no "Loading weights" bars from every worker in the notebook
     # `dtype=` (transformers 5 name; `torch_dtype=` is deprecated).
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
