@@ -64,9 +64,6 @@ def connect(address: str | None = None, **ray_options: Any) -> ClusterInfo:
         _state["cluster"] = None
     address = address or os.environ.get("RAY_ADDRESS") or None
     started_here = address is None
-    if not started_here:  # an existing cluster has its own resources: Ray refuses them on attach
-        for key in ("num_cpus", "num_gpus", "object_store_memory", "resources"):
-            ray_options.pop(key, None)
     if started_here:
         # Loopback only. Must be in the environment before Ray's processes start.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -74,6 +71,9 @@ def connect(address: str | None = None, **ray_options: Any) -> ClusterInfo:
         # logical CPUs: let a laptop run several one-CPU workers (oversubscribed, like real device slots)
         ray_options.setdefault("num_cpus", max(8, os.cpu_count() or 1))
         ray_options.setdefault("_node_ip_address", "127.0.0.1")
+    else:  # an existing cluster has its own resources: Ray refuses them on attach
+        for key in ("num_cpus", "num_gpus", "object_store_memory", "resources"):
+            ray_options.pop(key, None)
     import ray
 
     ray_options.setdefault("log_to_driver", True)

@@ -21,7 +21,6 @@ import pandas as pd
 import ray
 
 from . import controller
-from .cluster import ClusterInfo, connect, shutdown  # noqa: F401  (re-exported)
 from .config import RunConfig, SessionConfig, load_run_config
 from .dag import DAG
 from .reports import StageReport, StepReport
@@ -114,30 +113,19 @@ class Session:
         return pd.DataFrame(rows)
 
     def redistribution_lengths(self) -> dict[str, tuple[np.ndarray, int]]:
-        """For each redistribute edge: the token length of every item its producers
-        emitted in the latest step (global order) and the consumers' dp size."""
-        out = {}
-        for e in self.plan.edges:
-            if e.kind != "redistribute":
-                continue
-            src, dst = self.plan.stages[e.src], self.plan.stages[e.dst]
-            writers = [w for w in range(len(self.controller.workers)) if src.group_rank(w) == 0]
-            parts = ray.get([self.controller.workers[w].lengths.remote(src.id) for w in writers])
-            if all(p is not None for p in parts):
-                out[e.name] = (np.concatenate(parts), dst.dp)
-        return out
+        """For each redistribute edge: (item token lengths of the latest step, consumers' dp size)."""
+        return self.controller.redistribution_lengths()
 
     def ledger(self) -> pd.DataFrame:
-        """Items in/out of the DataBuffers per (step, edge) (distributed mode)."""
-        return self.controller.ledger() if hasattr(self.controller, "ledger") else pd.DataFrame()
+        """Items in/out of the DataBuffers per (step, edge) (distributed mode; empty otherwise)."""
+        return self.controller.ledger()
 
     # ---- pictures --------------------------------------------------------------------------
     def timeline(self, steps: list[int] | None = None, last: int = 2):
-        from .viz.timeline import timeline
+        from .viz.timeline import last_steps, timeline
 
         spans = self.spans
-        if steps is None and len(spans):
-            steps = [int(x) for x in sorted(spans["step"].unique())[-last:]]
+        steps = last_steps(spans, last) if steps is None else steps
         return timeline(spans, steps=steps, title=f"{self.mode}: steps {steps}")
 
     def breakdown(self, skip: int = 0):
@@ -242,4 +230,4 @@ def run_config(preset: str = "tiny-cpu-grpo", overrides: list[str] | None = None
     return load_run_config(preset, overrides)
 
 
-__all__ = ["Session", "session", "rl_session", "rl_dag", "run_config", "connect", "shutdown", "ClusterInfo"]
+__all__ = ["Session", "session", "rl_session", "rl_dag", "run_config"]

@@ -96,18 +96,31 @@ class Plan:
         return plan_html(self)
 
 
-def logical_depths(dag: DAG) -> dict[str, int]:
+def depths(deps: dict[str, list[str]]) -> dict[str, int]:
+    """Logical depth of each node (0 = no deps). Tolerates missing deps and
+    cycles (a back edge counts as depth 0) because reprs draw DAGs that do not
+    validate yet; `plan` validates first, so it never sees either."""
     depth: dict[str, int] = {}
+    visiting: set[str] = set()
 
     def d(u: str) -> int:
-        if u not in depth:
-            deps = dag[u].deps
-            depth[u] = 0 if not deps else 1 + max(d(x) for x in deps)
+        if u in depth:
+            return depth[u]
+        if u in visiting:
+            return 0
+        visiting.add(u)
+        ds = [d(x) for x in deps[u] if x in deps and x != u]
+        visiting.discard(u)
+        depth[u] = 1 + max(ds) if ds else 0
         return depth[u]
 
-    for n in dag:
-        d(n.id)
+    for u in deps:
+        d(u)
     return depth
+
+
+def logical_depths(dag: DAG) -> dict[str, int]:
+    return depths({n.id: list(n.deps) for n in dag})
 
 
 def plan(dag: DAG, world_size: int, resolve: bool = True) -> Plan:

@@ -20,11 +20,11 @@ import plotly.offline
 import yaml
 
 from .analysis import step_table
-from .viz.balance import load_balance, load_balance_table
+from .viz.balance import load_balance, load_balance_table, policy_stats
 from .viz.breakdown import breakdown, cache_hits
 from .viz.curves import metric_curves
 from .viz.dag import dag_figure
-from .viz.timeline import timeline
+from .viz.timeline import last_steps, timeline
 
 _CSS = """
 body{font-family:system-ui,-apple-system,sans-serif;margin:24px auto;max-width:1280px;color:#222;padding:0 16px}
@@ -98,9 +98,10 @@ def _balance_html(data: dict | Exception) -> str:
         raise data
     out = []
     for edge, (lengths, k) in data.items():
+        stats = policy_stats(lengths, int(k))  # partition once for figure and table
         out.append(f"<h3>{html.escape(edge)}</h3>")
-        out.append(_fig_html(load_balance(lengths, int(k), title=f"token load per consumer at {edge}")))
-        out.append(_table_html(load_balance_table(lengths, int(k)).set_index("policy")))
+        out.append(_fig_html(load_balance(lengths, int(k), title=f"token load per consumer at {edge}", stats=stats)))
+        out.append(_table_html(load_balance_table(lengths, int(k), stats=stats).set_index("policy")))
     return "".join(out)
 
 
@@ -115,19 +116,18 @@ def _metrics_html(spans: pd.DataFrame, metrics: pd.DataFrame) -> str:
         "step") if "step" in metrics.columns else metrics.tail(20))
 
 
-def write_report(session: Any, path: str | Path, title: str | None = None,
-                 extra_spans: dict[str, pd.DataFrame] | None = None, last_steps: int = 2) -> Path:
+def write_report(session: Any, path: str | Path, extra_spans: dict[str, pd.DataFrame] | None = None) -> Path:
     """Write the run's report to `path` (one standalone .html file) and return it.
     `extra_spans` ({mode: spans}) adds other runs' modes to the breakdown."""
     path = Path(path)
     spans: pd.DataFrame = session.spans
-    metrics: pd.DataFrame = session.metrics if session.metrics is not None else pd.DataFrame()
+    metrics: pd.DataFrame = session.metrics  # a property that builds the frame: read it once
+    metrics = pd.DataFrame() if metrics is None else metrics
     plan = getattr(session, "plan", None)
     mode, dag_name = str(session.mode), _dag_name(session)
-    steps = sorted(int(s) for s in spans["step"].unique()) if len(spans) else []
-    n_steps = max(len(steps), len(metrics))
-    title = title or f"DistFlow lab report: {dag_name} ({mode})"
-    shown = steps[-last_steps:] if steps else None
+    n_steps = max(spans["step"].nunique() if len(spans) else 0, len(metrics))
+    title = f"DistFlow lab report: {dag_name} ({mode})"
+    shown = last_steps(spans, 2)  # two steps: enough to see one overlap the next
     by_mode = {mode: spans, **{m: df for m, df in (extra_spans or {}).items() if m != mode}}  # this run first
     order = [s.id for s in plan.stages] if plan is not None else None
 

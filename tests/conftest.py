@@ -5,6 +5,10 @@ shared cluster starts it again."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 REPO = Path(__file__).resolve().parents[1]
+CLI = os.path.join(os.path.dirname(sys.executable), "distflow-lab")  # the console script of this venv
 GSM8K_DIR = Path(os.environ.get("DISTFLOW_GSM8K_DIR", REPO.parent / "shared" / "datasets" / "gsm8k"))
 
 _ray_tmp: dict[str, Path] = {}
@@ -68,15 +73,58 @@ def gsm8k_dir() -> Path:
     return GSM8K_DIR
 
 
+def run_python(code: str, timeout: int = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -c code` (dedented) in a fresh process with this interpreter; env adds to os.environ."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def procs_matching(marker: str) -> list:
+    """Processes with `marker` (e.g. a private temp dir) in one of their arguments."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in a for a in (p.info["cmdline"] or [])):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def reap(procs: list, grace_s: float = 0.0) -> None:
+    """SIGTERM `procs`, give them `grace_s` to exit, SIGKILL the rest (grace 0: SIGKILL at once)."""
+    import psutil
+
+    def signal_all(ps: list, how) -> None:
+        for p in ps:
+            try:
+                how(p)
+            except psutil.Error:  # already gone
+                pass
+
+    if grace_s > 0:
+        signal_all(procs, psutil.Process.terminate)
+        _, procs = psutil.wait_procs(procs, timeout=grace_s)
+    signal_all(procs, psutil.Process.kill)
+    psutil.wait_procs(procs, timeout=30)
+
+
 def start_ray_head(num_cpus: int = 2) -> tuple[str, str]:
     """A separate `ray start --head` cluster (loopback) for tests that need one outside
     this process: returns (address, temp_dir). Stop it with `stop_ray_head(temp_dir)`."""
-    import subprocess
-    import sys
     import tempfile
 
     temp = tempfile.mkdtemp(prefix="dfr", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
-    port = 25000 + (os.getpid() * 7 + len(os.listdir("/tmp"))) % 4000
+    port = free_port()
     bindir = os.path.dirname(sys.executable)
     env = {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"]}
     out = subprocess.run([os.path.join(bindir, "ray"), "start", "--head", f"--port={port}", f"--num-cpus={num_cpus}",
@@ -89,12 +137,4 @@ def start_ray_head(num_cpus: int = 2) -> tuple[str, str]:
 def stop_ray_head(temp: str) -> None:
     """Kill only the processes of the cluster under `temp` (`ray stop` would kill every
     Ray process on the machine, this test session's own cluster included)."""
-    import psutil
-
-    procs = [p for p in psutil.process_iter(["cmdline"]) if temp in " ".join(p.info["cmdline"] or [])]
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=30)
+    reap(procs_matching(temp))

@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from .conftest import REPO, free_port, procs_matching, reap
+
 NOTEBOOK = "01_quickstart.ipynb"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -72,12 +72,6 @@ def browser_tools():
         pytest.skip(why)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _api(base: str, token: str, path: str, method: str = "GET", timeout: float = 10.0):
     req = urllib.request.Request(f"{base}{path}", method=method, data=b"" if method == "POST" else None,
                                  headers={"Authorization": f"token {token}"})
@@ -105,7 +99,7 @@ class Lab:
     """A JupyterLab server in a subprocess, isolated in `work`."""
 
     def __init__(self, root: Path, work: Path, ray_tmp: Path) -> None:
-        self.port, self.token = _free_port(), secrets.token_hex(24)
+        self.port, self.token = free_port(), secrets.token_hex(24)
         self.base = f"http://127.0.0.1:{self.port}"
         self.ray_tmp = ray_tmp
         settings = work / "lab-settings"
@@ -159,17 +153,7 @@ class Lab:
         raise AssertionError(f"JupyterLab did not answer /api/status within {timeout}s:\n{self.log_tail()}")
 
     def ray_processes(self) -> list:
-        import psutil
-
-        marker = str(self.ray_tmp)
-        found = []
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            try:
-                if any(marker in a for a in (p.info["cmdline"] or [])):
-                    found.append(p)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-        return found
+        return procs_matching(str(self.ray_tmp))
 
     def shutdown(self) -> list[str]:
         """Stop the server (API, then signals) and everything it started. Returns
@@ -198,19 +182,7 @@ class Lab:
                 leftover.append(f"pid {p.pid}: {' '.join(p.cmdline())[:160]}")
             except psutil.NoSuchProcess:
                 pass
-        victims = {p.pid: p for p in tree + self.ray_processes()}
-        for p in victims.values():
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(list(victims.values()), timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=10)
+        reap(list({p.pid: p for p in tree + self.ray_processes()}.values()), grace_s=10)
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
@@ -330,30 +302,23 @@ def _rendered_ok(r: dict) -> bool:
 
 
 def _png_check(path: Path) -> tuple[int, int]:
-    """A real, non-blank PNG: signature, size, and (PIL, else zlib over the IDAT
-    chunks) more than a handful of distinct colours/byte values."""
+    """A real, non-blank PNG: signature, size, and more than a handful of distinct
+    byte values in the inflated IDAT chunks (zlib: no Pillow needed)."""
+    import zlib
+
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     assert len(data) > 20_000, f"{path} is only {len(data)} bytes"
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert width >= 800 and height >= 600, f"{path} is only {width}x{height}"
-    try:
-        from PIL import Image
-    except ImportError:
-        import zlib
-
-        idat, pos = bytearray(), 8
-        while pos < len(data):
-            n, kind = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
-            if kind == b"IDAT":
-                idat += data[pos + 8:pos + 8 + n]
-            pos += 12 + n
-        distinct = len(set(zlib.decompress(bytes(idat))))
-        assert distinct > 32, f"{path} looks blank ({distinct} distinct byte values)"
-    else:
-        with Image.open(path) as im:
-            colours = im.convert("RGB").resize((200, 200)).getcolors(maxcolors=200 * 200)
-        assert colours is None or len(colours) > 16, f"{path} has only {len(colours)} colours"
+    idat, pos = bytearray(), 8
+    while pos < len(data):
+        n, kind = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
+        if kind == b"IDAT":
+            idat += data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    distinct = len(set(zlib.decompress(bytes(idat))))
+    assert distinct > 32, f"{path} looks blank ({distinct} distinct byte values)"
     return width, height
 
 

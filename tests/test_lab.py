@@ -4,10 +4,7 @@ report with every figure, and the CLI on the tiny preset."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import textwrap
 
 import jsonschema
 import pytest
@@ -15,14 +12,11 @@ import pytest
 import distflow_lab as lab
 from distflow_lab.synthetic import synthetic_grpo
 
-from .conftest import start_ray_head, stop_ray_head
-
-PY = sys.executable
+from .conftest import CLI, run_python, start_ray_head, stop_ray_head
 
 
 def _run(code: str, timeout: int = 120, env: dict | None = None) -> str:
-    out = subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, **(env or {})})
+    out = run_python(code, timeout, env)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -127,15 +121,14 @@ def test_peek_returns_decoded_samples(ray_cluster, rl_base):
 
 def test_cli_run_writes_everything(rl_base, tmp_path):
     out = tmp_path / "run"
-    res = subprocess.run([os.path.join(os.path.dirname(PY), "distflow-lab"), "run", "tiny-cpu-grpo", "--steps", "3",
-                          "--out", str(out), *rl_base, "data.prompts_per_step=8"],
+    res = subprocess.run([CLI, "run", "tiny-cpu-grpo", "--steps", "3", "--out", str(out), *rl_base,
+                          "data.prompts_per_step=8"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("reward") == 3
     for f in ("metrics.parquet", "spans.parquet", "trace.json", "report.html"):
         assert (out / f).stat().st_size > 0, f
-    bad = subprocess.run([os.path.join(os.path.dirname(PY), "distflow-lab"), "run", "tiny-cpu-grpo", "actor.nope=1"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([CLI, "run", "tiny-cpu-grpo", "actor.nope=1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "actor.nope: unknown key" in bad.stdout
 
 

@@ -20,7 +20,7 @@ from distflow_lab.errors import BufferLost, WorkerLost
 from distflow_lab.runner import open_session
 from distflow_lab.synthetic import synthetic_grpo
 
-from .conftest import start_ray_head, stop_ray_head
+from .conftest import CLI, run_python, start_ray_head, stop_ray_head
 
 PY = sys.executable
 
@@ -74,15 +74,14 @@ def test_rl_resume_after_a_worker_dies_in_training(ray_cluster, rl_base, tmp_pat
 
 
 def test_cli_resume(ray_cluster, rl_base, tmp_path):
-    exe = os.path.join(os.path.dirname(PY), "distflow-lab")
     args = ["run", "tiny-cpu-grpo", "--out", str(tmp_path), *rl_base]
-    first = subprocess.run([exe, *args, "--steps", "2", "trainer.checkpoint_every=2"], capture_output=True, text=True,
+    first = subprocess.run([CLI, *args, "--steps", "2", "trainer.checkpoint_every=2"], capture_output=True, text=True,
                            timeout=600)
     assert first.returncode == 0, first.stdout + first.stderr
-    again = subprocess.run([exe, *args, "--resume", "--steps", "3"], capture_output=True, text=True, timeout=600)
+    again = subprocess.run([CLI, *args, "--resume", "--steps", "3"], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from" in again.stdout and "step    2" in again.stdout and "step    1" not in again.stdout
-    none = subprocess.run([exe, "run", "tiny-cpu-grpo", "--out", str(tmp_path / "empty"), "--resume", *rl_base],
+    none = subprocess.run([CLI, "run", "tiny-cpu-grpo", "--out", str(tmp_path / "empty"), "--resume", *rl_base],
                           capture_output=True, text=True, timeout=600)
     assert none.returncode == 2 and "no checkpoint" in none.stdout
 
@@ -169,7 +168,7 @@ def test_driver_death_leaves_no_actors_and_a_new_session_starts_clean():
             s = lab.session(synthetic_grpo(batch_size=8, max_prompt_len=32, max_response_len=32), world_size=2)
             print("metrics", len(s.step().metrics))
         """
-        out = subprocess.run([PY, "-c", textwrap.dedent(check)], capture_output=True, text=True, timeout=180, env=env)
+        out = run_python(check, timeout=180, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "alive 0" in out.stdout and "metrics 3" in out.stdout
     finally:

@@ -102,8 +102,8 @@ def test_e2e_benchmark_configs_are_valid():
     """`bench e2e` builds its run configs from overrides: they must stay valid as the config evolves."""
     from distflow_lab.bench.e2e import overrides_for
 
-    for context, train in ((32, "arithmetic"), (1024, "gsm8k")):
+    for context, source in ((32, "arithmetic"), (1024, "gsm8k")):
         cfg = load_run_config("tiny-cpu-grpo", overrides_for(context, workers=2, prompts=16, n=4))
         cfg.check_sizes()
         assert cfg.data.max_prompt_len + cfg.rollout.max_response_len == context
-        assert cfg.model.tiny.max_position_embeddings >= context and cfg.data.train == train
+        assert cfg.model.tiny.max_position_embeddings >= context and cfg.data.train == source

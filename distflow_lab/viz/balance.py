@@ -20,26 +20,27 @@ POLICIES: dict[str, Partitioner] = {
 POLICY_COLORS = {"constrained LPT": "#54A24B", "Karmarkar-Karp": "#4C78A8", "no balancing": "#BAB0AC"}
 
 
-def _stats(lengths: np.ndarray, k: int) -> dict[str, object]:
+def policy_stats(lengths: np.ndarray, k: int) -> dict[str, object]:
+    """load_stats of every policy; pass it to both figure and table to partition once."""
     lengths = np.asarray(lengths)
     return {name: load_stats(lengths, fn(lengths, k)) for name, fn in POLICIES.items()}
 
 
-def load_balance_table(lengths: np.ndarray, k: int) -> pd.DataFrame:
+def load_balance_table(lengths: np.ndarray, k: int, stats: dict | None = None) -> pd.DataFrame:
     """One row per policy: max_load, mean, lower_bound (max(mean, longest item)),
     ratio (max / lower bound; 1.0 is optimal) and imbalance (max / mean)."""
     return pd.DataFrame([
         {"policy": name, "max_load": s.max_load, "mean": s.mean_load, "lower_bound": s.lower_bound,
          "ratio": s.ratio, "imbalance": s.imbalance}
-        for name, s in _stats(lengths, k).items()
+        for name, s in (stats or policy_stats(lengths, k)).items()
     ])
 
 
-def load_balance(lengths: np.ndarray, k: int, title: str | None = None) -> go.Figure:
+def load_balance(lengths: np.ndarray, k: int, title: str | None = None, stats: dict | None = None) -> go.Figure:
     """Grouped bars: token load of each of the `k` workers under each policy,
     the lower bound as a dashed line, each policy's max / lower bound in the legend."""
     lengths = np.asarray(lengths)
-    stats = _stats(lengths, k)
+    stats = stats or policy_stats(lengths, k)
     lb = next(iter(stats.values())).lower_bound
     workers = [f"w{i}" for i in range(k)]
     fig = go.Figure()

@@ -51,6 +51,11 @@ def breakdown_table(spans_by_mode: SpansByMode | pd.DataFrame, stage_order: list
     return table
 
 
+def _cells(rows: list[str], modes: list[str]) -> list[list[str]]:
+    """Two-level x (stage, mode): every mode side by side under each row."""
+    return [[s for s in rows for _ in modes], [m for _ in rows for m in modes]]
+
+
 def breakdown(spans_by_mode: SpansByMode | pd.DataFrame,
               stage_order: list[str] | None = None) -> tuple[go.Figure, pd.DataFrame]:
     """Stacked phase seconds per stage, modes side by side (x: stage / mode),
@@ -62,27 +67,22 @@ def breakdown(spans_by_mode: SpansByMode | pd.DataFrame,
     stages = [s for s in table.index if s != "total"]
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.85, 0.15], horizontal_spacing=0.02)
     phases = ordered_phases(p for p in table.columns.get_level_values("phase") if p != "total")
+    panels = ((1, stages), (2, ["total"]))  # stages, then the step total in its own narrow panel
     for phase in phases:
-        for col, rows in ((1, stages), (2, ["total"])):
-            xs = [[s for s in rows for _ in modes], [m for _ in rows for m in modes]]
+        for col, rows in panels:
             ys = [float(table.at[s, (m, phase)]) if (m, phase) in table.columns else 0.0
                   for s in rows for m in modes]
             fig.add_trace(go.Bar(
-                name=phase, legendgroup=phase, showlegend=col == 1, x=xs, y=ys,
+                name=phase, legendgroup=phase, showlegend=col == 1, x=_cells(rows, modes), y=ys,
                 marker_color=phase_color(phase), hovertemplate=f"{phase}: %{{y:.3f}} s<br>%{{x}}<extra></extra>",
             ), row=1, col=col)
     # Each stack's total printed above it, as the paper's Total column.
-    totals = [(s, m, float(table.at[s, (m, "total")])) for s in [*stages, "total"] for m in modes]
-    fig.add_trace(go.Scatter(
-        x=[[s for s, _, _ in totals if s != "total"], [m for s, m, _ in totals if s != "total"]],
-        y=[v for s, _, v in totals if s != "total"], mode="text", showlegend=False, hoverinfo="skip",
-        text=[f"{v:.3g}" for s, _, v in totals if s != "total"], textposition="top center", name="total",
-    ), row=1, col=1)
-    fig.add_trace(go.Scatter(
-        x=[["total"] * len(modes), modes], y=[v for s, _, v in totals if s == "total"], mode="text",
-        showlegend=False, hoverinfo="skip", text=[f"{v:.3g}" for s, _, v in totals if s == "total"],
-        textposition="top center", name="total",
-    ), row=1, col=2)
+    for col, rows in panels:
+        ys = [float(table.at[s, (m, "total")]) for s in rows for m in modes]
+        fig.add_trace(go.Scatter(
+            x=_cells(rows, modes), y=ys, mode="text", showlegend=False, hoverinfo="skip",
+            text=[f"{v:.3g}" for v in ys], textposition="top center", name="total",
+        ), row=1, col=col)
     fig.update_layout(barmode="stack", template="plotly_white", height=500, legend_title="phase",
                       legend_tracegroupgap=2,  # one legend group per phase: no gaps between them
                       title="stage breakdown: critical-path seconds per phase (paper Table 1)",

@@ -9,39 +9,14 @@ from typing import TYPE_CHECKING, Iterable
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..planner import Plan, depths
 from .style import EDGE_COLORS, ROLE_COLORS
 
 if TYPE_CHECKING:
     from ..dag import DAG
-    from ..planner import Plan
-
-_EDGE_STYLE = {"local": "color:#2a9d8f", "redistribute": "color:#e76f51;font-weight:bold"}
 
 
 # ---- layout shared by the figure and the SVG ----------------------------------------------------------
-
-def depths(deps: dict[str, list[str]]) -> dict[str, int]:
-    """Logical depth of each node (0 = no deps). Tolerates missing deps and
-    cycles (a back edge counts as depth 0) because reprs must draw DAGs that
-    do not validate yet."""
-    depth: dict[str, int] = {}
-    visiting: set[str] = set()
-
-    def d(u: str) -> int:
-        if u in depth:
-            return depth[u]
-        if u in visiting:
-            return 0
-        visiting.add(u)
-        ds = [d(x) for x in deps[u] if x in deps and x != u]
-        visiting.discard(u)
-        depth[u] = 1 + max(ds) if ds else 0
-        return depth[u]
-
-    for u in deps:
-        d(u)
-    return depth
-
 
 def grid(deps: dict[str, list[str]]) -> dict[str, tuple[int, float]]:
     """(column, row) per node: column = depth, rows centred within the tallest column."""
@@ -207,13 +182,5 @@ def dag_html(dag: "DAG") -> str:
 
 
 def plan_html(plan: "Plan") -> str:
-    parts = []
-    for s in plan.stages:
-        e = plan.edge_into(s.index)
-        if e:
-            parts.append(f"<span style='{_EDGE_STYLE[e.kind]}'>&nbsp;—{e.kind}→&nbsp;</span>")
-        parts.append(f"<span style='border:1px solid #999;border-radius:4px;padding:2px 4px'>"
-                     f"{html.escape(s.id)} <small>dp={s.dp} tp={s.tp}</small></span>")
     table = plan.to_frame().to_html(index=False, escape=True)
-    return (f"<b>Plan {html.escape(plan.dag_name)}</b> on {plan.world_size} workers<div>{plan_svg(plan)}</div>"
-            f"<div style='line-height:2.2'>{''.join(parts)}</div>{table}")
+    return f"<b>Plan {html.escape(plan.dag_name)}</b> on {plan.world_size} workers<div>{plan_svg(plan)}</div>{table}"

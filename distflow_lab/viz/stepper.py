@@ -15,7 +15,7 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from .timeline import timeline
+from .timeline import last_steps, timeline
 
 
 class Stepper:
@@ -36,7 +36,7 @@ class Stepper:
         self.progress = W.IntProgress(value=0, min=0, max=1, description="progress")
         self.status = W.HTML()
         self.errors = W.Output()
-        self.figure = go.FigureWidget(self._timeline())
+        self.figure = go.FigureWidget()  # filled by the _refresh below: draw once
         self.b_stage.on_click(lambda _: self._act(self.s.step_stage))
         self.b_step.on_click(lambda _: self._act(self.s.step))
         self.b_run.on_click(lambda _: self._act(self._run))
@@ -79,8 +79,7 @@ class Stepper:
     # ---- display ---------------------------------------------------------------------
     def _timeline(self) -> go.Figure:
         spans = self.s.spans
-        steps = [int(x) for x in sorted(spans["step"].unique())[-self.last_steps:]] if len(spans) else None
-        return timeline(spans, steps=steps, title=f"{self.s.mode}: latest steps")
+        return timeline(spans, steps=last_steps(spans, self.last_steps), title=f"{self.s.mode}: latest steps")
 
     def _refresh(self) -> None:
         new = self._timeline()

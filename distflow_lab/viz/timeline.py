@@ -28,6 +28,13 @@ def select_steps(spans: pd.DataFrame, steps: int | Iterable[int] | None) -> pd.D
     return spans[spans["step"].isin(wanted)]
 
 
+def last_steps(spans: pd.DataFrame, n: int) -> list[int] | None:
+    """The latest `n` steps in `spans`, ascending; None (all) when there are no spans."""
+    if not len(spans):
+        return None
+    return [int(x) for x in sorted(spans["step"].unique())[-n:]]
+
+
 def worker_rows(spans: pd.DataFrame) -> list[str]:
     """Row labels, top to bottom: the driver, then workers ordered by node then id."""
     pairs = spans[["node", "worker"]].drop_duplicates()
