@@ -1,33 +1,41 @@
-"""distflow_lab: a Jupyter-first toolkit for multi-controller RL post-training
-(DistFlow) with a verl-style centralized baseline beside it.
+"""distflow_lab: a Jupyter-first toolkit for RL post-training systems research:
+the same DAG of stages on three data planes (centralized, coordinator,
+distributed), measured side by side.
 
     import distflow_lab as lab
     lab.connect()
-    s = lab.session(lab.synthetic_grpo(), world_size=4)
+    s = lab.session(lab.synthetic_grpo(), world_size=4, mode="coordinator")
     s.step_stage()
 
-Names are imported lazily so that light processes (the DataBuffer actors)
-do not pay for torch when they import a submodule.
+Names are imported lazily so that light processes (the data-plane actors, the
+CLI's argument checks) do not pay for torch when they import a submodule.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
-    "connect": "distflow_lab.cluster", "shutdown": "distflow_lab.cluster",
-    "session": "distflow_lab.lab", "rl_session": "distflow_lab.lab", "rl_dag": "distflow_lab.lab",
-    "run_config": "distflow_lab.lab", "Session": "distflow_lab.lab",
-    "stepper": "distflow_lab.viz.stepper",
-    "DAG": "distflow_lab.dag", "Layout": "distflow_lab.dag", "Node": "distflow_lab.dag", "DAGError": "distflow_lab.dag",
-    "Batch": "distflow_lab.data.batch",
-    "RunConfig": "distflow_lab.config", "SessionConfig": "distflow_lab.config", "ConfigError": "distflow_lab.config",
-    "load_run_config": "distflow_lab.config",
-    "synthetic_grpo": "distflow_lab.synthetic", "synthetic_ppo": "distflow_lab.synthetic",
-    "grpo_shape": "distflow_lab.dags", "ppo_shape": "distflow_lab.dags",
-    "StageError": "distflow_lab.errors",
+    "connect": "distflow_lab.runtime.cluster", "shutdown": "distflow_lab.runtime.cluster",
+    "session": "distflow_lab.api.session", "rl_session": "distflow_lab.api.session",
+    "rl_dag": "distflow_lab.api.session", "run_config": "distflow_lab.api.session",
+    "Session": "distflow_lab.api.session", "OPTIONS": "distflow_lab.api.session",
+    "stepper": "distflow_lab.api.stepper",
+    "DAG": "distflow_lab.graph.dag", "Layout": "distflow_lab.graph.nodes", "Node": "distflow_lab.graph.nodes",
+    "Batch": "distflow_lab.core.batch", "StageContext": "distflow_lab.runtime.context",
+    "local_context": "distflow_lab.runtime.context",
+    "RunConfig": "distflow_lab.core.config", "SessionConfig": "distflow_lab.core.config",
+    "DataSpec": "distflow_lab.core.config", "Contract": "distflow_lab.core.config",
+    "load_run_config": "distflow_lab.api.runner",
+    "synthetic_grpo": "distflow_lab.experiments.synthetic", "synthetic_ppo": "distflow_lab.experiments.synthetic",
+    "grpo_shape": "distflow_lab.graph.shapes", "ppo_shape": "distflow_lab.graph.shapes",
+    "ConfigError": "distflow_lab.core.errors", "DAGError": "distflow_lab.core.errors",
+    "DatasetError": "distflow_lab.core.errors", "StageError": "distflow_lab.core.errors",
+    "WorkerLost": "distflow_lab.core.errors", "StageTimeout": "distflow_lab.core.errors",
+    "BufferLost": "distflow_lab.core.errors", "CoordinatorLost": "distflow_lab.core.errors",
+    "StageContractError": "distflow_lab.core.errors",
 }
 
 

@@ -1,88 +1,260 @@
 """`distflow-lab` command line: the same code paths as the notebook API.
 
-    distflow-lab run CONFIG.yaml [--mode M] [--steps N] [--out DIR] [key=value ...]
-    distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR]
+    distflow-lab run CONFIG|PRESET [--mode M] [--steps N] [--out DIR] [--overwrite] [--resume] [key=value ...]
+    distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR] [--overwrite]
     distflow-lab bench dataplane|balance|serialization|memory|e2e [...]
     distflow-lab data gsm8k|arithmetic [...]
+
+Arguments and configs are parsed and checked first, with light imports only:
+a bad argument or config fails in well under a second, before torch, Ray or
+transformers are imported and before any worker starts. Errors print one line
+(`error: ...`), never a traceback, and exit with status 2.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
+from pathlib import Path
+from typing import Callable
 
-BENCHES = {
-    "dataplane": "distflow_lab.bench.dataplane",
-    "balance": "distflow_lab.bench.balance",
-    "serialization": "distflow_lab.bench.serialization",
-    "memory": "distflow_lab.bench.memory",
-    "e2e": "distflow_lab.bench.e2e",
-}
+from distflow_lab.core.config import MODES
+from distflow_lab.core.errors import FriendlyError
 
 
-def _local_defaults() -> None:
-    # The embedded cluster binds loopback only (must be set before Ray starts).
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+class UsageError(FriendlyError, ValueError):
+    """A command-line argument that cannot work; names it."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    _local_defaults()
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "bench":
-        if not rest or rest[0] not in BENCHES:
-            print(f"usage: distflow-lab bench {{{'|'.join(BENCHES)}}} [options]  (--help on each)")
-            return 2
-        importlib.import_module(BENCHES[rest[0]]).main(rest[1:])
-        return 0
-    if cmd == "run":
-        from .runner import main as run_main
-
-        return run_main(rest)
-    if cmd == "ablate":
-        from .ablation import main as ablate_main
-
-        return ablate_main(rest)
-    if cmd == "data":
-        return _data(rest)
-    print(f"unknown command {cmd!r}\n{__doc__}")
-    return 2
+# ---- argument types ------------------------------------------------------------------------
 
 
-def _data(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="distflow-lab data")
-    sub = ap.add_subparsers(dest="what", required=True)
-    g = sub.add_parser("gsm8k", help="convert GSM8K jsonl to verl-schema parquet")
-    g.add_argument("--src", default=None, help="folder with train.jsonl/test.jsonl (default ../shared/datasets/gsm8k)")
-    g.add_argument("--out", default="runs/data", help="where data.train=gsm8k looks (data.cache_dir)")
-    a = sub.add_parser("arithmetic", help="write the synthetic arithmetic task as parquet")
-    a.add_argument("--out", default="runs/data/arithmetic")
-    a.add_argument("--n", type=int, default=2048)
-    a.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    from pathlib import Path
+def positive(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
 
-    out = Path(args.out)
+
+def int_list(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def modes_list(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    def parse(s: str) -> tuple[str, ...]:
+        got = tuple(m.strip() for m in s.split(",") if m.strip())
+        bad = [m for m in got if m not in allowed]
+        if bad or not got:
+            raise argparse.ArgumentTypeError(f"unknown mode {bad[0] if bad else s!r}; choose from {list(allowed)}")
+        return got
+    return parse
+
+
+def fresh_file(path: str | None, overwrite: bool, flag: str = "--json") -> None:
+    """An output file that exists is replaced only with --overwrite."""
+    if path and Path(path).exists() and not overwrite:
+        raise UsageError(f"{flag} {path} already exists; pass --overwrite to replace it or choose another path")
+
+
+def check_bench_shape(workers: list[int], batch: int, n: int, rollout_tp: int) -> None:
+    from distflow_lab.experiments.bench.shape import shape_problem  # plain Python, no torch
+
+    for w in workers:
+        problem = shape_problem(w, batch, n, rollout_tp)
+        if problem:
+            raise UsageError(problem)
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from distflow_lab.algos.registry import with_defaults
+    from distflow_lab.core.config import parse_run_config
+
+    overrides = list(a.overrides) + ([f"mode={a.mode}"] if a.mode else [])
+    cfg = with_defaults(parse_run_config(a.config, overrides))
+    from distflow_lab.api.runner import run_dir  # the heavy part: torch, Ray, transformers
+
+    run_dir(cfg, a.out, a.overwrite, a.resume)  # refuse to replace a run before anything starts
+    from distflow_lab.api.runner import train
+
+    train(cfg, a.steps, a.out, overwrite=a.overwrite, resume=a.resume)
+    return 0
+
+
+def cmd_ablate(a: argparse.Namespace) -> int:
+    check_bench_shape([a.workers], min(a.batches), 4, 2)
+    for b in a.batches:
+        check_bench_shape([a.workers], b, 4, 2)
+    fresh_file(str(Path(a.out) / "ablation.json") if a.out else None, a.overwrite, "--out")
+    from distflow_lab.experiments.ablation import run
+
+    run(a.batches, a.repeats, a.workers, a.nodes, a.context, a.us_per_token, a.out)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    fresh_file(getattr(a, "json", None), a.overwrite)
+    if a.which == "dataplane":
+        check_bench_shape(a.workers, a.batch, a.n, a.rollout_tp)
+        from distflow_lab.experiments.bench import dataplane
+
+        dataplane.run(a.workers, a.context, a.batch, a.repeats, a.n, a.rollout_tp, modes=a.modes, json_path=a.json,
+                      control=not a.no_control, nodes=a.nodes)
+    elif a.which == "balance":
+        from distflow_lab.experiments.bench import balance
+
+        balance.run(ks=a.ks, ns=a.ns, dists=a.dists, repeats=a.repeats, seed=a.seed, json_path=a.json)
+    elif a.which == "serialization":
+        from distflow_lab.experiments.bench import serialization
+
+        serialization.run(a.mib, a.repeats, a.json)
+    elif a.which == "memory":
+        check_bench_shape([a.workers], a.batch, 4, 2)
+        fresh_file(a.html, a.overwrite, "--html")
+        from distflow_lab.experiments.bench import memory
+
+        memory.report(a.steps, a.mode, a.batch, a.context, a.workers, a.every, a.json, a.html)
+    elif a.which == "e2e":
+        from distflow_lab.experiments.bench import e2e
+
+        e2e.run(a.context, a.workers, a.prompts, a.n, a.steps, a.json, modes=a.modes)
+    return 0
+
+
+def cmd_data(a: argparse.Namespace) -> int:
+    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.what == "gsm8k":
-        from .data.gsm8k import convert_gsm8k, default_gsm8k_dir
+    if a.what == "gsm8k":
+        from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
 
-        src = Path(args.src) if args.src else default_gsm8k_dir()
+        src = Path(a.src) if a.src else default_gsm8k_dir()
         for split in ("train", "test"):  # the names the runner's data.train=gsm8k reads
             n = convert_gsm8k(src / f"{split}.jsonl", out / f"gsm8k-{split}.parquet", split=split)
             print(f"{out / f'gsm8k-{split}.parquet'}: {n} rows")
     else:
-        from .tasks.arithmetic import write_arithmetic_parquet
+        from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
 
-        for split, seed in (("train", args.seed), ("test", args.seed + 1)):
-            path = write_arithmetic_parquet(out / f"{split}.parquet", args.n, seed)
-            print(f"{path}: {args.n} rows")
+        for split, seed in (("train", a.seed), ("test", a.seed + 1)):
+            path = write_arithmetic_parquet(out / f"{split}.parquet", a.n, seed)
+            print(f"{path}: {a.n} rows")
     return 0
+
+
+# ---- the parser -----------------------------------------------------------------------------
+
+
+def add_run_args(r: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    r.add_argument("config", help="a YAML file or a preset name (tiny-cpu-grpo, tiny-cpu-ppo, gpu-qwen2.5-grpo)")
+    r.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. actor.lr=1e-3")
+    r.add_argument("--mode", choices=MODES, help="data plane (default: the config's)")
+    r.add_argument("--steps", type=positive, help="RL steps (default: trainer.steps)")
+    r.add_argument("--out", help="output folder (default: a new runs/<config>/run-NNN)")
+    r.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run in --out")
+    r.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint of the run")
+    r.set_defaults(fn=cmd_run)
+    return r
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="distflow-lab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{run,ablate,bench,data}")
+
+    add_run_args(sub.add_parser("run", help="an RL run (GRPO/PPO) from a preset or YAML"))
+
+    b = sub.add_parser("ablate", help="the paper's Fig. 10 ablation ladder")
+    b.add_argument("--batches", type=int_list, default=[64, 128, 256], help="responses per step")
+    b.add_argument("--repeats", type=positive, default=8, help="measured steps per rung and batch")
+    b.add_argument("--workers", type=positive, default=4)
+    b.add_argument("--nodes", type=positive, default=2, help="simulated Ray nodes (O5 needs more than one)")
+    b.add_argument("--context", type=positive, default=2048)
+    b.add_argument("--us-per-token", type=float, default=1.0, help="simulated compute per token (microseconds)")
+    b.add_argument("--out", default="runs/ablation")
+    b.add_argument("--overwrite", action="store_true")
+    b.set_defaults(fn=cmd_ablate)
+
+    bench = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
+    bsub = bench.add_subparsers(dest="which", required=True)
+    d = bsub.add_parser("dataplane", help="every data plane on the same workers and DAG")
+    d.add_argument("--workers", type=int_list, default=[2, 4, 8])
+    d.add_argument("--context", type=int_list, default=[1024, 4096, 8192])
+    d.add_argument("--batch", type=positive, default=64, help="responses per step (prompts x n)")
+    d.add_argument("--n", type=positive, default=4, help="responses per prompt")
+    d.add_argument("--repeats", type=positive, default=5, help="measured steps per mode and configuration")
+    d.add_argument("--rollout-tp", type=positive, default=2)
+    d.add_argument("--nodes", type=positive, default=1, help="simulate this many Ray nodes")
+    d.add_argument("--modes", type=modes_list((*MODES, "verl")), default=None,
+                   help="comma-separated: centralized,coordinator,distributed,verl (default: all available)")
+    d.add_argument("--no-control", action="store_true", help="skip the control-plane overhead measurement")
+    bl = bsub.add_parser("balance", help="partitioner quality and speed")
+    bl.add_argument("--repeats", type=positive, default=5)
+    bl.add_argument("--ks", type=int_list, default=[8, 16, 32, 64, 128, 256, 512])
+    bl.add_argument("--ns", type=int_list, default=[1024, 4096, 16384, 65536])
+    bl.add_argument("--dists", type=lambda s: tuple(s.split(",")), default=("lognormal", "bimodal"))
+    bl.add_argument("--seed", type=int, default=0)
+    s = bsub.add_parser("serialization", help="object-store round trips of a Batch vs torch pickling")
+    s.add_argument("--mib", type=int_list, default=[16, 64, 256])
+    s.add_argument("--repeats", type=positive, default=7)
+    m = bsub.add_parser("memory", help="RSS and object store over a long run")
+    m.add_argument("--steps", type=positive, default=200)
+    m.add_argument("--mode", default="distributed", choices=MODES)
+    m.add_argument("--batch", type=positive, default=64)
+    m.add_argument("--context", type=positive, default=1024)
+    m.add_argument("--workers", type=positive, default=4)
+    m.add_argument("--every", type=positive, default=5)
+    m.add_argument("--html")
+    e = bsub.add_parser("e2e", help="real GRPO tokens/s in every mode")
+    e.add_argument("--context", type=int_list, default=[32, 1024],
+                   help="prompt + response tokens; <= 64 uses the arithmetic task, longer uses GSM8K prompts")
+    e.add_argument("--workers", type=positive, default=2)
+    e.add_argument("--prompts", type=positive, default=16, help="prompts per step")
+    e.add_argument("--n", type=positive, default=4, help="responses per prompt")
+    e.add_argument("--steps", type=positive, default=4, help="measured steps per mode (after one warm-up step)")
+    e.add_argument("--modes", type=modes_list(MODES), default=MODES)
+    for p in (d, bl, s, m, e):
+        p.add_argument("--json", help="write the records here")
+        p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
+    bench.set_defaults(fn=cmd_bench)
+
+    dt = sub.add_parser("data", help="write datasets as verl-schema parquet")
+    dsub = dt.add_subparsers(dest="what", required=True)
+    g = dsub.add_parser("gsm8k", help="convert GSM8K jsonl to verl-schema parquet")
+    g.add_argument("--src", default=None, help="folder with train.jsonl/test.jsonl (default ../shared/datasets/gsm8k)")
+    g.add_argument("--out", default="runs/data")
+    ar = dsub.add_parser("arithmetic", help="write the synthetic arithmetic task as parquet")
+    ar.add_argument("--out", default="runs/data/arithmetic")
+    ar.add_argument("--n", type=positive, default=2048)
+    ar.add_argument("--seed", type=int, default=0)
+    dt.set_defaults(fn=cmd_data)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    # The embedded cluster binds loopback only (must be set before Ray starts).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:  # `run` lets overrides and options mix: its own parser, which argparse supports that way
+        a = (add_run_args(argparse.ArgumentParser(prog="distflow-lab run")).parse_intermixed_args(args[1:])
+             if args[:1] == ["run"] else parser().parse_args(args))
+    except SystemExit as e:  # argparse printed its usage line and message
+        return int(e.code or 0)
+    try:
+        return a.fn(a)
+    except FriendlyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

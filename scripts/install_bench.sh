@@ -9,4 +9,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python -m pip install -q -e ".[bench]" -c requirements/constraints.txt
 .venv/bin/python -m pip install -q --no-deps "verl==0.7.1"
-.venv/bin/python -c "from distflow_lab.bench import verl_peer; assert verl_peer.available(); print('verl peer ready')"
+.venv/bin/python -c "from distflow_lab.experiments.bench import verl_peer; assert verl_peer.available(); print('verl peer ready')"

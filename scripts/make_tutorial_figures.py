@@ -17,8 +17,8 @@ os.environ.setdefault("BROWSER_PATH", "/usr/bin/chromium")  # kaleido's Chromium
 
 import distflow_lab as lab  # noqa: E402
 from distflow_lab import ablation  # noqa: E402
-from distflow_lab.viz.curves import ablation_figure  # noqa: E402
-from distflow_lab.viz.dag import dag_figure  # noqa: E402
+from distflow_lab.observe.curves import ablation_figure  # noqa: E402
+from distflow_lab.observe.dag_figure import dag_figure  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "tutorials" / "figures"
 

@@ -29,7 +29,7 @@ _ray_tmp: dict[str, Path] = {}
 def _start_shared_ray() -> None:
     import ray
 
-    from distflow_lab import cluster
+    from distflow_lab.runtime import cluster
 
     if ray.is_initialized():
         return
@@ -61,7 +61,7 @@ def restart_shared_ray() -> None:
 @pytest.fixture(scope="session", autouse=True)
 def _shutdown_ray_at_end():
     yield
-    from distflow_lab import cluster
+    from distflow_lab.runtime import cluster
 
     cluster.shutdown()
 

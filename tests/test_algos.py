@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from distflow_lab.algos.advantages import (
+from distflow_lab.algos.estimators import (
     ADVANTAGE_ESTIMATORS,
     discounted_returns,
     dr_grpo_outcome_advantage,

@@ -1,4 +1,4 @@
-"""Tests for distflow_lab.data.balance (paper §6.4, Algorithm 1)."""
+"""Tests for distflow_lab.dataplane.partition (paper §6.4, Algorithm 1)."""
 from __future__ import annotations
 
 import heapq
@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from distflow_lab.data.balance import (
+from distflow_lab.dataplane.partition import (
     LoadStats,
     constrained_lpt,
     contiguous_split,
@@ -229,7 +229,7 @@ def test_validate_partition_accepts_good_partition():
 
 def test_routing_handles_a_filtered_batch_with_uneven_counts():
     """A stage that drops rows leaves N not divisible by the consumers: counts differ by at most one."""
-    from distflow_lab.data.routing import assign
+    from distflow_lab.dataplane.routing import assign
 
     rng = np.random.default_rng(3)
     for n, k in [(7, 3), (10, 4), (33, 8)]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from distflow_lab.data.batch import Batch
+from distflow_lab.core.batch import Batch
 
 
 def make(n: int = 6) -> Batch:

@@ -6,9 +6,9 @@ import psutil
 import pytest
 import ray
 
-from distflow_lab import cluster as lab_cluster
-from distflow_lab import controller
-from distflow_lab.synthetic import synthetic_grpo
+from distflow_lab.runtime import cluster as lab_cluster
+from distflow_lab.runtime import create as controller
+from distflow_lab.experiments.synthetic import synthetic_grpo
 
 from .conftest import restart_shared_ray
 

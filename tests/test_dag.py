@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from distflow_lab.dag import DAG, DAGError, Layout
-from distflow_lab.dags import GRPO_NODES, PPO_NODES
-from distflow_lab.planner import plan
-from distflow_lab.synthetic import synthetic_grpo, synthetic_ppo
+from distflow_lab.graph.dag import DAG, DAGError, Layout
+from distflow_lab.graph.shapes import GRPO_NODES, PPO_NODES
+from distflow_lab.graph.planner import plan
+from distflow_lab.experiments.synthetic import synthetic_grpo, synthetic_ppo
 
-NOOP = "distflow_lab.synthetic:actor_update"
+NOOP = "distflow_lab.experiments.synthetic:actor_update"
 
 
 def fig4_dag() -> DAG:
@@ -80,8 +80,8 @@ def test_duplicate_id():
 
 
 def test_unresolvable_function_names_node():
-    with pytest.raises(DAGError, match="node 'b': module 'distflow_lab.synthetic' has no attribute 'nope'"):
-        DAG("u").node("a", NOOP).node("b", "distflow_lab.synthetic:nope", deps=["a"]).validate()
+    with pytest.raises(DAGError, match="node 'b': module 'distflow_lab.experiments.synthetic' has no attribute 'nope'"):
+        DAG("u").node("a", NOOP).node("b", "distflow_lab.experiments.synthetic:nope", deps=["a"]).validate()
     with pytest.raises(DAGError, match="node 'c': cannot import module 'no_such_mod'"):
         DAG("u").node("c", "no_such_mod:f").validate()
     with pytest.raises(DAGError, match="node 'x'.*module:function"):

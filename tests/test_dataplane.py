@@ -10,10 +10,10 @@ import ray
 import torch
 
 import distflow_lab as lab
-from distflow_lab import controller
-from distflow_lab.data.balance import load_stats
-from distflow_lab.data.batch import Batch
-from distflow_lab.synthetic import synthetic_grpo
+from distflow_lab.runtime import create as controller
+from distflow_lab.dataplane.partition import load_stats
+from distflow_lab.core.batch import Batch
+from distflow_lab.experiments.synthetic import synthetic_grpo
 
 W = 4
 
@@ -185,9 +185,9 @@ def test_double_buffer_releases_each_step(ray_cluster):
 
 
 def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
-    from distflow_lab.errors import StageError
+    from distflow_lab.core.errors import StageError
 
-    from distflow_lab.synthetic import reward
+    from distflow_lab.experiments.synthetic import reward
 
     def broken_reward(batch, ctx):
         if ctx.dp_rank == 1:
@@ -211,8 +211,8 @@ def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
 def test_a_stage_breaking_its_contract_is_named(ray_cluster):
     """A node that declares `outputs` and `rows: same` is checked on every worker:
     a missing column or a changed row count names the stage, worker and step."""
-    from distflow_lab.errors import StageContractError
-    from distflow_lab.synthetic import reward
+    from distflow_lab.core.errors import StageContractError
+    from distflow_lab.experiments.synthetic import reward
 
     def forgets_scores(batch, ctx):
         return batch
@@ -258,7 +258,7 @@ def test_one_process_group_per_stage_layout(ray_cluster):
 
 
 def _probe_then_reward(probe):
-    from distflow_lab.synthetic import reward
+    from distflow_lab.experiments.synthetic import reward
 
     def probe_reward(batch, ctx):
         return reward(probe(batch, ctx), ctx)

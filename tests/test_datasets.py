@@ -7,10 +7,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pyarrow as pa
 import pytest
 
-from distflow_lab.data.gsm8k import convert_gsm8k, default_gsm8k_dir
-from distflow_lab.data.schema import REQUIRED_COLUMNS, DatasetError, read_rows, validate_table, write_parquet
-from distflow_lab.rewards import exact_match_reward
-from distflow_lab.tasks.arithmetic import evaluate, make_arithmetic_rows, write_arithmetic_parquet
+from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
+from distflow_lab.datasets.schema import REQUIRED_COLUMNS, DatasetError, read_rows, validate_table, write_parquet
+from distflow_lab.datasets.rewards import exact_match_reward
+from distflow_lab.datasets.arithmetic import evaluate, make_arithmetic_rows, write_arithmetic_parquet
 
 GSM8K = default_gsm8k_dir()
 # CI must read the real data: only a developer's machine without it may skip

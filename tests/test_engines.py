@@ -15,12 +15,12 @@ import torch
 import torch.multiprocessing as mp
 
 from distflow_lab.algos.losses import aggregate_loss
-from distflow_lab.engines.critic import build_critic_from
-from distflow_lab.engines.fsdp import OptimConfig, TrainEngine, micro_batches, sft_loss_fn
-from distflow_lab.engines.model import build_tiny_qwen2, save_model_dir
-from distflow_lab.engines.rollout_hf import (HFRollout, RolloutConfig, assemble_columns, build_sft_batch,
+from distflow_lab.models.critic import build_critic_from
+from distflow_lab.models.fsdp import OptimConfig, TrainEngine, micro_batches, sft_loss_fn
+from distflow_lab.models.model_dir import build_tiny_qwen2, save_model_dir
+from distflow_lab.models.rollout_hf import (HFRollout, RolloutConfig, assemble_columns, build_sft_batch,
                                             decode_responses, make_rollout, tokenize_prompts)
-from distflow_lab.engines.tokenizer import build_char_tokenizer
+from distflow_lab.models.tokenizer import build_char_tokenizer
 
 P, R = 10, 12
 EOS, PAD = 2, 0

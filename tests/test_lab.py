@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 import distflow_lab as lab
-from distflow_lab.synthetic import synthetic_grpo
+from distflow_lab.experiments.synthetic import synthetic_grpo
 
 from .conftest import CLI, run_python, start_ray_head, stop_ray_head
 
@@ -25,7 +25,7 @@ def test_connect_twice_reuses_and_attach_does_not_stop_the_cluster():
     """In fresh processes: connect() starts a loopback cluster and reuses it; attaching
     to a running cluster and calling shutdown() leaves that cluster running."""
     out = _run("""
-        from distflow_lab import cluster
+        from distflow_lab.runtime import cluster
         a = cluster.connect(num_cpus=1, log_to_driver=False)
         b = cluster.connect()
         print(a.started_here, b is a, a.address.startswith("127.0.0.1"), "CPUs" in repr(a), "<table>" in a._repr_html_())
@@ -36,7 +36,7 @@ def test_connect_twice_reuses_and_attach_does_not_stop_the_cluster():
     address, temp = start_ray_head(num_cpus=1)
     try:
         attach = f"""
-            from distflow_lab import cluster
+            from distflow_lab.runtime import cluster
             info = cluster.connect(address="{address}", log_to_driver=False)
             print(info.started_here, len(info.nodes))
             cluster.shutdown()

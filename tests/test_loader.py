@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from distflow_lab.data.loader import (DataSourceError, JsonlSource, ParquetSource, ShardedLoader, make_loader,
+from distflow_lab.datasets.loader import (DatasetError, JsonlSource, ParquetSource, ShardedLoader, make_loader,
                                       shard_bounds)
 
 
@@ -91,20 +91,20 @@ def test_jsonl_shard_and_bad_line(tmp_path):
     assert ld.next_batch()["question"].tolist() == ["q6", "q7", "q8"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "a"}\n{not json\n')
-    with pytest.raises(DataSourceError, match=r"bad.jsonl line 2: invalid JSON"):
+    with pytest.raises(DatasetError, match=r"bad.jsonl line 2: invalid JSON"):
         JsonlSource(bad).read_rows(0, 2)
 
 
 def test_errors_name_the_file(tmp_path, parquet_file):
-    with pytest.raises(DataSourceError, match="missing.parquet does not exist"):
+    with pytest.raises(DatasetError, match="missing.parquet does not exist"):
         ParquetSource(tmp_path / "missing.parquet")
     corrupt = tmp_path / "corrupt.parquet"
     corrupt.write_bytes(b"this is not parquet at all")
-    with pytest.raises(DataSourceError, match="corrupt.parquet is not a readable parquet"):
+    with pytest.raises(DatasetError, match="corrupt.parquet is not a readable parquet"):
         ParquetSource(corrupt)
-    with pytest.raises(DataSourceError, match="ranks \\[3\\] would get an empty shard"):
+    with pytest.raises(DatasetError, match="ranks \\[3\\] would get an empty shard"):
         ShardedLoader(_tiny(tmp_path, 3), 0, 4, 1)
-    with pytest.raises(DataSourceError, match="local batch 40 does not fit"):
+    with pytest.raises(DatasetError, match="local batch 40 does not fit"):
         ShardedLoader(parquet_file, 0, 4, 40)
 
 
@@ -119,5 +119,5 @@ def test_make_loader_synthetic_uses_real_lengths(gsm8k_dir):
                       "lengths_from": str(gsm8k_dir / "test.jsonl")}, 0, 2, seed=0)
     lens = np.asarray(ld.next_batch()["prompt_len"].tolist())
     assert len(lens) == 4 and lens.min() >= 42 and lens.max() <= 985  # GSM8K question lengths
-    with pytest.raises(DataSourceError, match="not divisible by the data-parallel size 3"):
+    with pytest.raises(DatasetError, match="not divisible by the data-parallel size 3"):
         make_loader({"source": "synthetic", "batch_size": 8}, 0, 3, seed=0)

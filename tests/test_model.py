@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from distflow_lab.engines.model import (
+from distflow_lab.models.model_dir import (
     TinyModelSpec,
     build_tiny_qwen2,
     count_params,
@@ -15,8 +15,8 @@ from distflow_lab.engines.model import (
     load_model_dir,
     save_model_dir,
 )
-from distflow_lab.engines.tokenizer import BASE_CHARS, build_char_tokenizer, save_tokenizer
-from distflow_lab.tasks.arithmetic import make_arithmetic_rows
+from distflow_lab.models.tokenizer import BASE_CHARS, build_char_tokenizer, save_tokenizer
+from distflow_lab.datasets.arithmetic import make_arithmetic_rows
 
 TEXTS = [
     BASE_CHARS,

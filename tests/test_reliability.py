@@ -13,12 +13,12 @@ import psutil
 import pytest
 
 import distflow_lab as lab
-from distflow_lab import faults
-from distflow_lab.bench import memory
-from distflow_lab.config import load_run_config
-from distflow_lab.errors import BufferLost, WorkerLost
-from distflow_lab.runner import open_session
-from distflow_lab.synthetic import synthetic_grpo
+from distflow_lab.runtime import faults
+from distflow_lab.experiments.bench import memory
+from distflow_lab.core.config import load_run_config
+from distflow_lab.core.errors import BufferLost, WorkerLost
+from distflow_lab.api.runner import open_session
+from distflow_lab.experiments.synthetic import synthetic_grpo
 
 from .conftest import CLI, run_python, start_ray_head, stop_ray_head
 
@@ -147,7 +147,7 @@ def test_driver_death_leaves_no_actors_and_a_new_session_starts_clean():
     try:
         driver = subprocess.Popen([PY, "-c", textwrap.dedent(f"""
             import distflow_lab as lab, time
-            from distflow_lab.synthetic import synthetic_grpo
+            from distflow_lab.experiments.synthetic import synthetic_grpo
             lab.connect(address="{address}", log_to_driver=False)
             s = lab.session(synthetic_grpo(batch_size=8, max_prompt_len=32, max_response_len=32), world_size=2)
             s.step(); print("ready", flush=True); time.sleep(600)
@@ -158,7 +158,7 @@ def test_driver_death_leaves_no_actors_and_a_new_session_starts_clean():
         check = f"""
             import time, ray, distflow_lab as lab
             from ray._private import state
-            from distflow_lab.synthetic import synthetic_grpo
+            from distflow_lab.experiments.synthetic import synthetic_grpo
             lab.connect(address="{address}", log_to_driver=False)
             for _ in range(60):
                 alive = [a for a in state.actors().values() if a["State"] != "DEAD"]
@@ -222,7 +222,7 @@ def test_a_hung_stage_times_out_naming_the_late_workers(ray_cluster):
             s.step_stage()
         for _ in range(2):
             s.step_stage()
-        from distflow_lab.errors import StageTimeout
+        from distflow_lab.core.errors import StageTimeout
 
         with pytest.raises(StageTimeout, match=r"stage 'ref_log_prob' of step 0 did not finish within 2s on workers \[2\]"):
             s.step_stage()

@@ -1,7 +1,7 @@
 """Rule rewards: GSM8K answer extraction and scoring, exact match, registry."""
 import pytest
 
-from distflow_lab.rewards import (
+from distflow_lab.datasets.rewards import (
     REWARD_FNS,
     exact_match_reward,
     extract_gsm8k_answer,

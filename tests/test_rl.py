@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from distflow_lab.config import ConfigError, load_run_config
-from distflow_lab.runner import open_session, train
+from distflow_lab.core.config import ConfigError, load_run_config
+from distflow_lab.api.runner import open_session, train
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def test_missing_column_names_the_file(tmp_path, base):
 
 def test_e2e_benchmark_configs_are_valid():
     """`bench e2e` builds its run configs from overrides: they must stay valid as the config evolves."""
-    from distflow_lab.bench.e2e import overrides_for
+    from distflow_lab.experiments.bench.e2e import overrides_for
 
     for context, source in ((32, "arithmetic"), (1024, "gsm8k")):
         cfg = load_run_config("tiny-cpu-grpo", overrides_for(context, workers=2, prompts=16, n=4))

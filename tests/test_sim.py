@@ -1,4 +1,4 @@
-"""The step-time cost model (distflow_lab.sim): monotone where it must be, the
+"""The step-time cost model (distflow_lab.experiments.sim): monotone where it must be, the
 paper's Table 1 ratio and Fig. 9 band under `paper_calibration`, `calibrate`
 recovering known parameters from synthetic spans, constant-batch sub-linearity,
 and the figure's traces. No Ray: everything here is arithmetic on DataFrames."""
@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from distflow_lab import sim
-from distflow_lab.telemetry import DRIVER, SPAN_COLUMNS
+from distflow_lab.experiments import sim
+from distflow_lab.core.spans import DRIVER, SPAN_COLUMNS
 
 DEVICES = [8, 16, 32, 64, 128, 256, 512]
 L = 16384  # the paper's Table 1 context: 8k prompt + 8k response

@@ -10,15 +10,15 @@ import pandas as pd
 import pytest
 from pydantic import BaseModel
 
-from distflow_lab.analysis import stage_breakdown
-from distflow_lab.dag import DAG, Layout
-from distflow_lab.data.balance import constrained_lpt, karmarkar_karp, load_stats
-from distflow_lab.planner import plan as make_plan
-from distflow_lab.report import write_report
-from distflow_lab.telemetry import DRIVER, Span, spans_to_frame
-from distflow_lab.viz.figures import (PHASE_COLORS, ablation_figure, breakdown, cache_hits, cache_table, dag_figure,
+from distflow_lab.observe.span_stats import stage_breakdown
+from distflow_lab.graph.dag import DAG, Layout
+from distflow_lab.dataplane.partition import constrained_lpt, karmarkar_karp, load_stats
+from distflow_lab.graph.planner import plan as make_plan
+from distflow_lab.observe.report import write_report
+from distflow_lab.core.spans import DRIVER, Span, spans_to_frame
+from distflow_lab.observe.figures import (PHASE_COLORS, ablation_figure, breakdown, cache_hits, cache_table, dag_figure,
                                       load_balance, load_balance_table, metric_curves, scaling_figure, timeline)
-from distflow_lab.viz.dag import dag_html, plan_html
+from distflow_lab.observe.dag_figure import dag_html, plan_html
 
 STAGES = ["data", "rollout", "reward", "advantage", "old_log_prob", "ref_log_prob", "actor_update"]
 GEN = {"data", "rollout", "reward", "advantage"}  # dp=2 tp=2; the rest dp=4: one redistribute edge

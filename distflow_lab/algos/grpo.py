@@ -9,48 +9,47 @@ Every stage is a plain function `(batch, ctx) -> batch`: it reads columns,
 adds columns, and reaches its engines through `ctx.engines` (see engines.py)
 and the run config through `ctx.config`. Swap any of them from a notebook:
 `dag.replace("advantage", fn=my_estimator)`. Adding an estimator is one
-function here and one entry in ESTIMATORS (or one `replace` line).
+function in estimators.py and one entry in its ESTIMATORS (or one `replace` line).
 """
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import torch
 
-from ..config import RunConfig
-from ..dag import DAG
-from ..dags import grpo_shape
-from ..data.batch import Batch
-from ..engines.rollout_hf import decode_responses, tokenize_prompts
-from .advantages import (dr_grpo_outcome_advantage, grpo_outcome_advantage, masked_mean, outcome_to_token_rewards,
-                         reinforce_plus_plus_advantage, rloo_advantage)
-from .engines import sync_weights
-from .losses import kl_penalty, ppo_token_loss
+from distflow_lab.algos.engine_setup import sync_weights
+from distflow_lab.algos.estimators import ESTIMATORS
+from distflow_lab.algos.losses import kl_penalty, masked_mean, ppo_token_loss
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import DataSpec, RunConfig
+from distflow_lab.graph.dag import DAG
+from distflow_lab.graph.shapes import grpo_shape
+from distflow_lab.models.sequences import decode_responses, tokenize_prompts
+from distflow_lab.runtime.context import StageContext
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
 def grpo_dag(cfg: RunConfig, data_path: str) -> DAG:
-    data = {"source": data_path, "batch_size": cfg.data.prompts_per_step, "shuffle": cfg.data.shuffle}
+    data = DataSpec(source=data_path, batch_size=cfg.data.prompts_per_step, shuffle=cfg.data.shuffle)
     fns = {name: f"{__name__}:{name}" for name in
            ("rollout", "reward", "advantage", "old_log_prob", "ref_log_prob", "actor_update")}
-    return grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, configs=CONTRACTS, name="grpo")
+    return grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=CONTRACTS, name="grpo")
 
 
 # What each stage must add and keep: a replaced stage that breaks it fails with a clear error.
 CONTRACTS = {
-    "rollout": {"outputs": ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "uid"]},
-    "reward": {"outputs": ["scores"], "rows": "same"},
-    "advantage": {"outputs": ["advantages", "returns"], "rows": "same"},
-    "old_log_prob": {"outputs": ["old_log_probs"], "rows": "same"},
-    "ref_log_prob": {"outputs": ["ref_log_probs"], "rows": "same"},
-    "actor_update": {"rows": "same"},
+    "rollout": {"contract": {"outputs": ["input_ids", "attention_mask", "position_ids", "responses",
+                                         "response_mask", "uid"]}},
+    "reward": {"contract": {"outputs": ["scores"], "rows": "same"}},
+    "advantage": {"contract": {"outputs": ["advantages", "returns"], "rows": "same"}},
+    "old_log_prob": {"contract": {"outputs": ["old_log_probs"], "rows": "same"}},
+    "ref_log_prob": {"contract": {"outputs": ["ref_log_probs"], "rows": "same"}},
+    "actor_update": {"contract": {"rows": "same"}},
 }
 
 
 # ---- 1. rollout: n sampled responses per prompt ------------------------------------
-def rollout(batch: Batch, ctx: Any) -> Batch:
+def rollout(batch: Batch, ctx: StageContext) -> Batch:
     cfg, e = ctx.config, ctx.engines
     sync_weights(ctx)  # the actor changed last step: push its weights (a span of its own)
     prompt_ids, prompt_mask, truncated = tokenize_prompts(e["tokenizer"], list(batch["prompt"]), cfg.data.max_prompt_len)
@@ -67,7 +66,7 @@ def rollout(batch: Batch, ctx: Any) -> Batch:
 
 
 # ---- 2. reward: a rule per data source (or any function in the config) -----------------
-def reward(batch: Batch, ctx: Any) -> Batch:
+def reward(batch: Batch, ctx: StageContext) -> Batch:
     texts = decode_responses(ctx.engines["tokenizer"], batch["responses"], batch["response_mask"])
     fn = ctx.engines["reward_fn"]
     scores = torch.tensor([fn(src, text, truth) for src, text, truth in
@@ -76,29 +75,21 @@ def reward(batch: Batch, ctx: Any) -> Batch:
     return batch.with_columns(scores=scores)
 
 
-# ---- 3. advantage: group-relative by default -----------------------------------------
-ESTIMATORS = {
-    "grpo": lambda b, cfg: grpo_outcome_advantage(b["scores"], b["response_mask"], b["uid"]),
-    "dr_grpo": lambda b, cfg: dr_grpo_outcome_advantage(b["scores"], b["response_mask"], b["uid"]),
-    "rloo": lambda b, cfg: rloo_advantage(b["scores"], b["response_mask"], b["uid"]),
-    "reinforce_plus_plus": lambda b, cfg: reinforce_plus_plus_advantage(
-        outcome_to_token_rewards(b["scores"], b["response_mask"]), b["response_mask"], cfg.algorithm.gamma),
-}
-
-
-def advantage(batch: Batch, ctx: Any) -> Batch:
-    adv, ret = ESTIMATORS[ctx.config.algorithm.adv_estimator](batch, ctx.config)
+# ---- 3. advantage: group-relative by default (any estimator of the registry) -----------
+def advantage(batch: Batch, ctx: StageContext) -> Batch:
+    alg = ctx.config.algorithm
+    adv, ret = ESTIMATORS[alg.adv_estimator or "grpo"](batch, alg)
     return batch.with_columns(advantages=adv.float(), returns=ret.float())
 
 
 # ---- 4-5. log-probs of the sampled tokens under the current and reference policies -----
-def old_log_prob(batch: Batch, ctx: Any) -> Batch:
+def old_log_prob(batch: Batch, ctx: StageContext) -> Batch:
     log_probs, entropy = ctx.engines["actor"].forward_log_probs(*(batch[k] for k in MODEL_INPUTS), with_entropy=True)
     ctx.log(**{"actor/entropy": masked_mean(entropy, batch["response_mask"]).item()})
     return batch.with_columns(old_log_probs=log_probs)
 
 
-def ref_log_prob(batch: Batch, ctx: Any) -> Batch:
+def ref_log_prob(batch: Batch, ctx: StageContext) -> Batch:
     log_probs, _ = ctx.engines["ref"].forward_log_probs(*(batch[k] for k in MODEL_INPUTS))
     return batch.with_columns(ref_log_probs=log_probs)
 
@@ -122,7 +113,7 @@ def actor_loss(cfg: RunConfig):
     return loss_fn
 
 
-def actor_update(batch: Batch, ctx: Any) -> Batch:
+def actor_update(batch: Batch, ctx: StageContext) -> Batch:
     cfg, actor = ctx.config, ctx.engines["actor"]
     cols = {k: batch[k] for k in (*MODEL_INPUTS, "response_mask", "old_log_probs", "ref_log_probs", "advantages")}
     metrics: dict[str, float] = {}

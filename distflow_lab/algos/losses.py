@@ -8,27 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distflow_lab.algos.advantages import masked_mean
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-
-
-def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a [B, T] loss to a scalar. With m = mask, n_b = sum_t m[b, t]:
-
-    token-mean:          sum_{b,t} L*m / sum_{b,t} m       (every token weighs the same; DAPO)
-    seq-mean-token-mean: (1/B) sum_b [ sum_t L*m / n_b ]   (every sequence weighs the same; GRPO paper)
-    seq-mean-token-sum:  (1/B) sum_b sum_t L*m             (longer sequences weigh more)
-
-    A row with n_b = 0 contributes 0 to seq-mean-token-mean but still counts in B.
-    """
-    if mode == "token-mean":
-        return masked_mean(loss_mat, mask)
-    if mode == "seq-mean-token-mean":
-        return masked_mean(loss_mat, mask, dim=-1).mean()
-    if mode == "seq-mean-token-sum":
-        return (torch.where(mask.bool(), loss_mat, 0.0) * mask).sum(-1).mean()
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+from distflow_lab.models.token_ops import (LOSS_AGG_MODES, aggregate_loss, entropy_from_logits,  # noqa: F401
+                                           log_probs_from_logits, masked_mean)
 
 
 def ppo_token_loss(
@@ -142,19 +123,6 @@ def apply_kl_in_reward(
     return token_rewards - coef * kl, mean_kl
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] -> [B, T]: H = logsumexp(z) - sum_v softmax(z)_v * z_v (= -sum p log p, no log(0)).
-
-    Computed in float32 on max-shifted logits (H is shift-invariant; the shift keeps the two
-    terms small so their difference does not cancel). Logits of -inf (masked vocab) are
-    allowed: their p * z term is taken as 0, not NaN.
-    """
-    z = logits.float()
-    z = z - z.amax(dim=-1, keepdim=True).detach()
-    p = torch.softmax(z, dim=-1)
-    return torch.logsumexp(z, dim=-1) - (p * torch.where(p > 0, z, 0.0)).sum(-1)
-
-
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
     """Aggregated entropy (a scalar to MAXIMISE): total_loss = pg_loss - entropy_coef * entropy_bonus."""
     return aggregate_loss(entropy, mask, agg)
@@ -179,11 +147,3 @@ def value_loss_clipped(
     loss = 0.5 * aggregate_loss(torch.maximum(l1, l2), mask, agg)
     clipfrac = masked_mean((l2 > l1).float(), mask).item()
     return loss, clipfrac
-
-
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """[B, T, V], [B, T] -> [B, T]: log softmax(logits)[labels], in float32.
-
-    Caller aligns positions: logits at t must be the prediction FOR labels[:, t].
-    """
-    return F.log_softmax(logits.float(), dim=-1).gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)

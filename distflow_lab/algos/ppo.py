@@ -13,39 +13,40 @@ from typing import Any
 
 import torch
 
-from ..config import RunConfig
-from ..dag import DAG
-from ..dags import ppo_shape
-from ..data.batch import Batch
-from .advantages import gae_advantage, masked_mean, outcome_to_token_rewards
-from .grpo import CONTRACTS, MODEL_INPUTS, _mini_batches
-from .losses import apply_kl_in_reward
+from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards
+from distflow_lab.algos.grpo import CONTRACTS, MODEL_INPUTS, _mini_batches
+from distflow_lab.algos.losses import apply_kl_in_reward, masked_mean
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import DataSpec, RunConfig
+from distflow_lab.graph.dag import DAG
+from distflow_lab.graph.shapes import ppo_shape
+from distflow_lab.runtime.context import StageContext
 
 SHARED = ("rollout", "reward", "old_log_prob", "ref_log_prob", "actor_update")
 
 
 def ppo_dag(cfg: RunConfig, data_path: str) -> DAG:
-    data = {"source": data_path, "batch_size": cfg.data.prompts_per_step, "shuffle": cfg.data.shuffle}
+    data = DataSpec(source=data_path, batch_size=cfg.data.prompts_per_step, shuffle=cfg.data.shuffle)
     fns = {**{n: f"distflow_lab.algos.grpo:{n}" for n in SHARED},
            **{n: f"{__name__}:{n}" for n in ("values", "advantage", "critic_update")}}
-    contracts = {**CONTRACTS, "values": {"outputs": ["values"], "rows": "same"},
-                 "critic_update": {"rows": "same"}}
-    return ppo_shape(fns, data, rollout_tp=cfg.rollout.tp, configs=contracts, name="ppo")
+    contracts = {**CONTRACTS, "values": {"contract": {"outputs": ["values"], "rows": "same"}},
+                 "critic_update": {"contract": {"rows": "same"}}}
+    return ppo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name="ppo")
 
 
-def values(batch: Batch, ctx: Any) -> Batch:
+def values(batch: Batch, ctx: StageContext) -> Batch:
     v = ctx.engines["critic"].forward_values(*(batch[k] for k in MODEL_INPUTS))
     return batch.with_columns(values=v)
 
 
-def advantage(batch: Batch, ctx: Any) -> Batch:
+def advantage(batch: Batch, ctx: StageContext) -> Batch:
     alg, mask = ctx.config.algorithm, batch["response_mask"]
-    rewards = outcome_to_token_rewards(batch["scores"], mask)
     if alg.use_kl_in_reward:
-        rewards, kl = apply_kl_in_reward(rewards, batch["old_log_probs"], batch["ref_log_probs"], mask,
-                                         alg.kl_coef, alg.kl_penalty)
+        rewards, kl = apply_kl_in_reward(outcome_to_token_rewards(batch["scores"], mask), batch["old_log_probs"],
+                                         batch["ref_log_probs"], mask, alg.kl_coef, alg.kl_penalty)
         ctx.log(**{"critic/kl_in_reward": float(kl)})
-    adv, ret = gae_advantage(rewards, batch["values"], mask, alg.gamma, alg.lam)
+        batch = batch.with_columns(token_rewards=rewards)
+    adv, ret = ESTIMATORS[alg.adv_estimator or "gae"](batch, alg)
     return batch.with_columns(advantages=adv.float(), returns=ret.float())
 
 
@@ -63,7 +64,7 @@ def critic_loss(cfg: RunConfig):
     return loss_fn
 
 
-def critic_update(batch: Batch, ctx: Any) -> Batch:
+def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     cfg, critic = ctx.config, ctx.engines["critic"]
     cols = {k: batch[k] for k in (*MODEL_INPUTS, "response_mask", "values", "returns")}
     metrics: dict[str, float] = {}

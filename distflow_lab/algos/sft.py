@@ -12,11 +12,12 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..config import RunConfig
-from ..data.schema import read_rows
-from ..engines.fsdp import OptimConfig, TrainEngine, sft_loss_fn
-from ..engines.model import has_model, load_model_dir, save_model_dir
-from ..engines.rollout_hf import build_sft_batch
+from distflow_lab.core.config import RunConfig
+from distflow_lab.datasets.schema import read_rows
+from distflow_lab.core.config import Optim
+from distflow_lab.models.fsdp import TrainEngine, sft_loss_fn
+from distflow_lab.models.model_dir import has_model, load_model_dir, save_model_dir
+from distflow_lab.models.sequences import build_sft_batch
 
 
 def warm_start_dir(cfg: RunConfig) -> Path:
@@ -32,7 +33,7 @@ def warm_start(cfg: RunConfig, data_path: str, progress: bool = True) -> Path:
     torch.set_num_threads(os.cpu_count() or 1)
     torch.manual_seed(cfg.seed)
     model, tok = load_model_dir(cfg.model.path)
-    engine = TrainEngine(model, OptimConfig(lr=ws.lr), use_fsdp=False, device="cpu",
+    engine = TrainEngine(model, Optim(lr=ws.lr), use_fsdp=False, device="cpu",
                          micro_token_budget=cfg.actor.micro_token_budget)
     rows = read_rows(data_path)
     prompts = [r["prompt"] for r in rows]

@@ -1,0 +1,78 @@
+"""What each DAG worker owns for the built-in RL algorithms: tokenizer, actor
+(FSDP2 over all workers), frozen reference, rollout engine, critic (PPO) and
+the reward function. Built once per worker by `setup_engines` (the session's
+engine factory); stage functions reach them through `ctx.engines`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from distflow_lab.core.config import RewardOptions, RunConfig
+from distflow_lab.datasets.rewards import reward_for
+from distflow_lab.graph.nodes import resolve_function
+from distflow_lab.models.critic import build_critic_from
+from distflow_lab.models.fsdp import TrainEngine
+from distflow_lab.models.model_dir import load_model_dir
+from distflow_lab.models.rollout import make_rollout
+from distflow_lab.runtime.context import StageContext
+
+
+@dataclass
+class WeightSync:
+    """The rollout's weights lag the actor's after an update until synced."""
+
+    shared: bool  # the rollout uses the actor's own module (1 worker): always in sync
+    stale: bool = False
+
+    def after_load(self) -> None:  # a checkpoint replaced the actor's weights
+        self.stale = not self.shared
+
+
+def setup_engines(ctx: StageContext, cfg: RunConfig) -> dict[str, Any]:
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, cfg.model.dtype)
+    model, tokenizer = load_model_dir(cfg.model.path, dtype=dtype)
+    temp = cfg.rollout.temperature
+    pg = ctx.groups.get("actor_update")  # the training layout's data-parallel group (FSDP2 shards over it)
+    actor = TrainEngine(model, cfg.actor, process_group=pg,
+                        micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
+    ref = TrainEngine(load_model_dir(cfg.model.path, dtype=dtype)[0], None, process_group=pg,
+                      micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
+    hf = cfg.rollout.engine == "hf"
+    shared = hf and not actor.distributed  # 1 worker: generate with the actor's own module
+    gen_model = actor.model if shared else (load_model_dir(cfg.model.path, dtype=dtype)[0] if hf else None)
+    engines: dict[str, Any] = {
+        "tokenizer": tokenizer, "actor": actor, "ref": ref,
+        "rollout": make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
+                                cfg.data.max_prompt_len, model_path=cfg.model.path),
+        "sync": WeightSync(shared=shared), "reward_fn": make_reward_fn(cfg.reward),
+    }
+    if cfg.algorithm.name == "ppo":
+        critic = build_critic_from(cfg.model.path, dtype=dtype)
+        engines["critic"] = TrainEngine(critic, cfg.critic,
+                                        process_group=ctx.groups.get("critic_update"),
+                                        micro_token_budget=cfg.critic.micro_token_budget, critic=True)
+    return engines
+
+
+def make_reward_fn(opts: RewardOptions) -> Callable[[str, str, str], float]:
+    """(data_source, response, ground_truth) -> score: `opts.fn` for every source, or
+    (fn "auto") by data source from `opts.by_source` over the built-in table."""
+    if opts.fn != "auto":
+        fn = resolve_function(opts.fn, node="reward")
+        return lambda source, response, truth: fn(response, truth)
+    by_source = {k: resolve_function(v, node="reward") for k, v in opts.by_source.items()}
+    return lambda source, response, truth: reward_for(source, by_source)(response, truth)
+
+
+def sync_weights(ctx: StageContext) -> None:
+    """Push the actor's latest weights into the rollout engine if an update made them stale."""
+    sync: WeightSync = ctx.engines["sync"]
+    if sync.shared or not sync.stale:
+        return
+    with ctx.span("weight_sync"):
+        ctx.engines["rollout"].load_weights(ctx.engines["actor"].full_state_dict())  # gathers FSDP shards
+    sync.stale = False

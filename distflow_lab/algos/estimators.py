@@ -1,0 +1,231 @@
+"""Advantage estimators for RL post-training (GRPO, Dr. GRPO, RLOO, REINFORCE++, GAE).
+
+Conventions: token tensors are [B, T] over the RESPONSE tokens only, `response_mask`
+[B, T] is 1 on real response tokens and 0 on padding; sequence scores are [B];
+`index` [B] holds group ids (the prompt uid), any hashable values.
+
+Every estimator returns `(advantages, returns)`, both [B, T] and zero on padding.
+They run under `torch.no_grad()`: advantages are fixed targets, never differentiated.
+Inputs are never written in place (batches from the object store are read-only views).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+import torch
+
+from distflow_lab.models.token_ops import masked_mean
+
+if TYPE_CHECKING:
+    from distflow_lab.core.batch import Batch
+    from distflow_lab.core.config import AlgorithmOptions
+
+GroupIndex = Sequence | np.ndarray
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over all masked elements: mean_m((x - mean_m(x))^2), times n / (n - 1) if unbiased.
+
+    n = sum(mask). Raises when the estimate is undefined (n == 0, or n == 1 with unbiased).
+    """
+    n = float(mask.sum())
+    if n < (2 if unbiased else 1):
+        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} masked elements, got {n:g}")
+    var = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    return var * (n / (n - 1)) if unbiased else var
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean_m) / sqrt(var_m + 1e-8) with batch-wide masked stats (unbiased var);
+    with shift_mean=False the mean is added back (only the scale changes).
+    Padding positions are NOT zeroed here; callers multiply by the mask."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    return out if shift_mean else out + mean
+
+
+# ---------------------------------------------------------------- group helpers
+
+
+def _group_ids(index: GroupIndex, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Map arbitrary hashable group ids to 0..G-1 (order of first appearance)."""
+    # tolist(): numpy/torch scalars -> python values (0-d tensors would hash by identity).
+    keys = index.tolist() if hasattr(index, "tolist") else list(index)
+    ids: dict = {}
+    gid = [ids.setdefault(k, len(ids)) for k in keys]
+    return torch.tensor(gid, dtype=torch.long, device=device), len(ids)
+
+
+def _as_float(scores: torch.Tensor) -> torch.Tensor:
+    return scores if scores.is_floating_point() else scores.float()
+
+
+def _group_sum_count(
+    scores: torch.Tensor, index: GroupIndex
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Per-row group sum and group size, gathered back to [B]; plus group ids and G."""
+    if len(index) != scores.shape[0]:
+        raise ValueError(f"index has {len(index)} entries, scores has {scores.shape[0]}")
+    gid, g = _group_ids(index, scores.device)
+    sums = torch.zeros(g, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores)
+    counts = torch.bincount(gid, minlength=g).to(scores.dtype)
+    return sums[gid], counts[gid], gid, g
+
+
+# ---------------------------------------------------------------- outcome estimators
+
+
+@torch.no_grad()
+def grpo_outcome_advantage(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: A_i = (s_i - mean_g) / (std_g + eps), broadcast to every response token.
+
+    mean_g, std_g are over the responses sharing prompt id g; std is unbiased (as torch.std).
+    A group of size 1 uses mean 0, std 1 (verl's convention), so its advantage is the raw score.
+    norm_by_std=False is Dr. GRPO (arXiv:2503.20783): A_i = s_i - mean_g.
+    Returns (advantages, returns), both [B, T] and equal, times the mask.
+    """
+    s = _as_float(scores)
+    sums, n, gid, g = _group_sum_count(s, index)
+    single = n == 1
+    mean = torch.where(single, torch.zeros_like(s), sums / n)
+    sq = torch.zeros(g, dtype=s.dtype, device=s.device).index_add_(0, gid, (s - mean) ** 2)[gid]
+    std = torch.where(single, torch.ones_like(s), (sq / (n - 1).clamp(min=1)).sqrt())
+    adv = (s - mean) / (std + eps) if norm_by_std else s - mean
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@torch.no_grad()
+def dr_grpo_outcome_advantage(
+    scores: torch.Tensor, response_mask: torch.Tensor, index: GroupIndex, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO: A_i = s_i - mean_g (no std normalisation). See grpo_outcome_advantage."""
+    return grpo_outcome_advantage(scores, response_mask, index, norm_by_std=False, eps=eps)
+
+
+@torch.no_grad()
+def rloo_advantage(
+    scores: torch.Tensor, response_mask: torch.Tensor, index: GroupIndex
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (arXiv:2402.14740): A_i = s_i - (sum_g - s_i) / (n_g - 1), the mean of the OTHER members.
+
+    Equivalently n/(n-1) * (s_i - mean_g). A group of size 1 has no other member: following
+    verl, its baseline is 0 and its advantage is the raw score s_i (not 0).
+    Returns (advantages, returns), both [B, T] and equal, times the mask.
+    """
+    s = _as_float(scores)
+    sums, n, _, _ = _group_sum_count(s, index)
+    baseline = torch.where(n > 1, (sums - s) / (n - 1).clamp(min=1), torch.zeros_like(s))
+    adv = (s - baseline).unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def outcome_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, T]: r[b, t] = scores[b] on the last valid token of row b, 0 elsewhere.
+
+    A row with no valid token gets no reward (all zeros).
+    """
+    t = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    last = ((response_mask > 0) * t).amax(dim=-1)  # last index with mask 1 (0 if none)
+    out = torch.zeros(response_mask.shape, dtype=_as_float(scores).dtype, device=scores.device)
+    out[torch.arange(out.shape[0], device=out.device), last] = _as_float(scores)
+    return out * response_mask
+
+
+# ---------------------------------------------------------------- token-level estimators
+
+
+@torch.no_grad()
+def discounted_returns(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """Return-to-go G_t = r_t + gamma * G_{t+1} over valid tokens, 0 after the last one.
+
+    Masked positions are skipped (G carries through unchanged, as verl's GAE does). For the
+    usual right-padded mask this equals verl's REINFORCE++ loop, which resets G at padding.
+    """
+    m = response_mask.to(token_rewards.dtype)
+    running = torch.zeros_like(token_rewards[:, 0])
+    out = []
+    for t in reversed(range(token_rewards.shape[1])):
+        running = m[:, t] * (token_rewards[:, t] + gamma * running) + (1 - m[:, t]) * running
+        out.append(running)
+    return torch.stack(out[::-1], dim=1) * m
+
+
+@torch.no_grad()
+def reinforce_plus_plus_advantage(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (arXiv:2501.03262): returns G_t = discounted_returns(r, gamma);
+    advantages = masked_whiten(G) over the whole batch (global, not per group), times the mask."""
+    returns = discounted_returns(token_rewards, response_mask, gamma)
+    return masked_whiten(returns, response_mask) * response_mask, returns
+
+
+@torch.no_grad()
+def gae_advantage(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (arXiv:1506.02438), backward over response tokens.
+
+        delta_t = r_t + gamma * V_{t+1} - V_t
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        returns = A + V   (raw A, before whitening)
+
+    V_{t+1} is the value of the next VALID token; after the last valid token it is 0
+    (terminal), so values on padding never enter. Masked positions are skipped (A and V
+    carry through). With whiten=True (verl's default) advantages = masked_whiten(A).
+    Both outputs are zero on padding.
+    """
+    m = response_mask.to(values.dtype)
+    next_v = torch.zeros_like(values[:, 0])
+    last_a = torch.zeros_like(values[:, 0])
+    out = []
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_v - values[:, t]
+        a = delta + gamma * lam * last_a
+        next_v = m[:, t] * values[:, t] + (1 - m[:, t]) * next_v
+        last_a = m[:, t] * a + (1 - m[:, t]) * last_a
+        out.append(last_a)
+    adv = torch.stack(out[::-1], dim=1)
+    returns = (adv + values) * m
+    adv = masked_whiten(adv, m) if whiten else adv
+    return adv * m, returns
+
+
+# ---------------------------------------------------------------- the one registry
+
+Estimator = Callable[["Batch", "AlgorithmOptions"], tuple[torch.Tensor, torch.Tensor]]
+
+
+def token_rewards(batch: "Batch") -> torch.Tensor:
+    """The batch's per-token rewards: a `token_rewards` column if a stage made one (e.g.
+    KL in the reward), else the outcome score on each response's last token."""
+    if "token_rewards" in batch:
+        return batch["token_rewards"]
+    return outcome_to_token_rewards(batch["scores"], batch["response_mask"])
+
+
+# Adding an estimator = one function returning (advantages, returns) + one line here;
+# an algorithm lists the estimators it supports in `algos.registry`.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": lambda b, alg: grpo_outcome_advantage(b["scores"], b["response_mask"], b["uid"]),
+    "dr_grpo": lambda b, alg: dr_grpo_outcome_advantage(b["scores"], b["response_mask"], b["uid"]),
+    "rloo": lambda b, alg: rloo_advantage(b["scores"], b["response_mask"], b["uid"]),
+    "reinforce_plus_plus": lambda b, alg: reinforce_plus_plus_advantage(token_rewards(b), b["response_mask"],
+                                                                        alg.gamma),
+    "gae": lambda b, alg: gae_advantage(token_rewards(b), b["values"], b["response_mask"], alg.gamma, alg.lam),
+}

@@ -1,0 +1,164 @@
+"""An RL run from a RunConfig: prepare model and data (offline, cached), open a
+session on Ray, train, write what happened. `distflow-lab run` and the notebooks
+use the same functions.
+
+Where outputs go: `out` when given (refused if it already holds a run, unless
+`overwrite`), else a new numbered folder `runs/<config name>/run-NNN` under the
+working directory (`trainer.out_dir` replaces `runs/<config name>`). A run never
+silently replaces an earlier run's outputs.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+
+from distflow_lab.algos.registry import build_dag, with_defaults
+from distflow_lab.algos.sft import warm_start
+from distflow_lab.api.session import Session
+from distflow_lab.core.config import ConfigError, RunConfig, parse_run_config
+from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
+from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
+from distflow_lab.datasets.schema import read_table, validate_table
+from distflow_lab.graph.dag import DAG
+from distflow_lab.models.model_dir import ensure_tiny_model, has_model
+from distflow_lab.observe.report import write_report
+from distflow_lab.observe.trace import to_chrome_trace
+from distflow_lab.runtime.controller import latest_checkpoint
+
+ENGINES = "distflow_lab.algos.engine_setup:setup_engines"
+OUTPUT_FILES = ("metrics.parquet", "spans.parquet", "trace.json", "report.html", "checkpoints")
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """A RunConfig from a YAML file or preset plus `a.b=value` overrides, checked against
+    the schema, the sizes and the algorithm registry; nothing is started."""
+    return with_defaults(parse_run_config(path, overrides))
+
+
+def prepare_data(cfg: RunConfig) -> str:
+    """The training parquet: generated (arithmetic), converted (GSM8K) or a given
+    path, checked against the verl schema before any worker starts."""
+    root = Path(cfg.data.cache_dir)
+    if cfg.data.train == "arithmetic":
+        path = root / f"arithmetic-{cfg.data.arithmetic_rows}-max{cfg.data.arithmetic_max_operand}-s{cfg.seed}.parquet"
+        if not path.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            write_arithmetic_parquet(path, cfg.data.arithmetic_rows, cfg.seed, max_operand=cfg.data.arithmetic_max_operand)
+    elif cfg.data.train == "gsm8k":
+        path = root / "gsm8k-train.parquet"
+        if not path.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            convert_gsm8k(default_gsm8k_dir() / "train.jsonl", path, split="train")
+    else:
+        path = Path(cfg.data.train)
+    validate_table(read_table(path), path)  # names the file and the missing column
+    rows = pq.ParquetFile(path).metadata.num_rows
+    dp = cfg.cluster.world_size // cfg.rollout.tp
+    if rows < cfg.data.prompts_per_step:
+        raise ConfigError(f"{path} has {rows} rows, fewer than data.prompts_per_step={cfg.data.prompts_per_step}")
+    if rows // dp < cfg.data.prompts_per_step // dp:
+        raise ConfigError(f"{path}: {rows} rows over {dp} ranks leave shards smaller than a step's batch")
+    return str(path)
+
+
+def prepare_model(cfg: RunConfig, data_path: str, progress: bool = True) -> RunConfig:
+    """Build the tiny model if asked and absent, run the SFT warm-up (cached), and
+    check that prompt + response fit the model's context. Returns the config the
+    workers get (model.path pointing at the warm-started model)."""
+    path = Path(cfg.model.path)
+    if not has_model(path):
+        if cfg.model.tiny is None:
+            raise ConfigError(f"model.path {path} holds no model (config.json + weights) and model.tiny is null")
+        ensure_tiny_model(path, cfg.model.tiny, seed=cfg.seed)
+    context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    need = cfg.data.max_prompt_len + cfg.rollout.max_response_len
+    if context and need > context:
+        raise ConfigError(f"data.max_prompt_len + rollout.max_response_len = {need} exceeds the model's context "
+                          f"({context} positions, {path}/config.json)")
+    tuned = warm_start(cfg, data_path, progress)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(tuned)})})
+
+
+def prepare(cfg: RunConfig, progress: bool = True) -> tuple[RunConfig, str]:
+    """(the config the workers get, the training parquet), ready to start a session."""
+    cfg = with_defaults(cfg)
+    data_path = prepare_data(cfg)
+    return prepare_model(cfg, data_path, progress), data_path
+
+
+def open_session(cfg: RunConfig, progress: bool = True, dag: DAG | None = None) -> Session:
+    """Prepare data and model, then start the workers (engines built on each)."""
+    cfg, data_path = prepare(cfg, progress)
+    return Session(dag or build_dag(cfg, data_path), cfg, engines=ENGINES)
+
+
+def run_dir(cfg: RunConfig, out: str | Path | None = None, overwrite: bool = False, resume: bool = False) -> Path:
+    """Where this run writes (see the module docstring)."""
+    if out is not None:
+        out = Path(out)
+        held = [f for f in OUTPUT_FILES if (out / f).exists()]
+        if held and not (overwrite or resume):
+            raise ConfigError(f"{out} already holds a run ({', '.join(held)}); pass --overwrite to replace it, "
+                              "--resume to continue it, or choose another --out")
+        return out
+    base = Path(cfg.trainer.out_dir or Path("runs") / cfg.name)
+    runs = sorted(base.glob("run-[0-9][0-9][0-9]"))
+    if resume:
+        with_ckpt = [r for r in runs if latest_checkpoint(r / "checkpoints") is not None]
+        if not with_ckpt:
+            raise ConfigError(f"no run with a checkpoint under {base} to resume from")
+        return with_ckpt[-1]
+    return base / f"run-{int(runs[-1].name[4:]) + 1 if runs else 1:03d}"
+
+
+def write_outputs(session: Session, out: str | Path) -> dict[str, Path]:
+    """metrics.parquet, spans.parquet, trace.json (Perfetto) and report.html."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"metrics": out / "metrics.parquet", "spans": out / "spans.parquet", "trace": out / "trace.json"}
+    session.metrics.to_parquet(paths["metrics"])
+    spans = session.spans
+    spans.assign(cache_hit=spans["cache_hit"].astype("boolean")).to_parquet(paths["spans"])
+    to_chrome_trace(spans, paths["trace"])
+    paths["report"] = write_report(session, out / "report.html")
+    return paths
+
+
+def train(cfg: RunConfig, steps: int | None = None, out: str | Path | None = None, progress: bool = True,
+          echo: bool = True, overwrite: bool = False, resume: bool = False) -> pd.DataFrame:
+    """Run RL steps (up to `steps`, default trainer.steps; after a checkpoint with `resume`)
+    and write the outputs; returns the metrics table."""
+    steps = cfg.trainer.steps if steps is None else steps
+    if steps < 1:
+        raise ConfigError(f"steps must be at least 1, got {steps}")
+    out = run_dir(cfg, out, overwrite, resume)
+    with open_session(cfg, progress) as s:
+        start = 0
+        if resume:
+            ckpt = latest_checkpoint(out / "checkpoints")
+            if ckpt is None:
+                raise ConfigError(f"no complete checkpoint under {out / 'checkpoints'} to resume from")
+            start = s.load_checkpoint(ckpt)
+            if echo:
+                print(f"resumed from {ckpt} at step {start}")
+        warned = False
+        for _ in range(start, steps):
+            rep = s.step()
+            m = rep.metrics
+            if echo and m.get("rollout/prompts_truncated", 0) > 0 and not warned:
+                warned = True
+                print(f"note: prompts longer than data.max_prompt_len={cfg.data.max_prompt_len} tokens were "
+                      "truncated to their last tokens (metric rollout/prompts_truncated counts them per rank)")
+            if echo:
+                print(f"step {rep.step:4d}  reward {m.get('reward/mean', float('nan')):.3f}  "
+                      f"resp_len {m.get('response_length/mean', float('nan')):.2f}  "
+                      f"kl {m.get('actor/kl', float('nan')):.4f}  {rep.wall_seconds:.2f}s", flush=True)
+            if cfg.trainer.checkpoint_every and (rep.step + 1) % cfg.trainer.checkpoint_every == 0:
+                s.save_checkpoint(out / "checkpoints" / f"step{rep.step + 1:06d}")
+        paths = write_outputs(s, out)
+        if echo:
+            print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return s.metrics

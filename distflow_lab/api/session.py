@@ -1,0 +1,324 @@
+"""The notebook API: open a session over a DAG, step through it one stage at a
+time, look at what happened. A `Session` is the one type a notebook, the CLI
+and the benchmarks hold; underneath it is one `Controller` with one data plane.
+
+    import distflow_lab as lab
+    lab.connect()                                    # embedded local cluster, loopback only
+    s = lab.session(lab.synthetic_grpo(), world_size=4, mode="coordinator")
+    s.step_stage()                                   # one stage on every worker: a StageReport
+    s.step(); s.run(10)                              # finish the step; ten more with a progress bar
+    s.peek("advantage")                              # a few decoded samples, only they travel
+    s.timeline(); s.breakdown(); s.report("run.html")
+"""
+from __future__ import annotations
+
+import html
+import inspect
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+import pandas as pd
+
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import (SWITCHES_BY_MODE, Balance, ClusterOptions, ConfigError, RunConfig,
+                                      SessionConfig, Switches, check_switches, load_model)
+from distflow_lab.dataplane.centralized import CentralizedPlane
+from distflow_lab.dataplane.coordinator import CoordinatorPlane
+from distflow_lab.dataplane.distributed import DistributedPlane
+from distflow_lab.dataplane.interface import DataPlane
+from distflow_lab.graph.dag import DAG
+from distflow_lab.runtime.controller import Controller
+from distflow_lab.runtime.results import StageReport, StepReport
+
+PLANES: dict[str, Callable[[], DataPlane]] = {
+    "centralized": CentralizedPlane, "coordinator": CoordinatorPlane, "distributed": DistributedPlane,
+}
+
+
+def session_config(base: SessionConfig | dict | None = None, *,
+                   mode: Literal["centralized", "coordinator", "distributed"] | None = None,
+                   seed: int | None = None, keep_outputs: bool | None = None, history_steps: int | None = None,
+                   # cluster
+                   world_size: int | None = None, cpus_per_worker: float | None = None,
+                   gpus_per_worker: float | None = None, placement: str | None = None,
+                   threads_per_worker: int | None = None, stage_timeout_s: float | None = None,
+                   buffer_wait_timeout_s: float | None = None, torch_distributed: bool | None = None,
+                   # switches
+                   local_cache: bool | None = None, double_buffer: bool | None = None,
+                   balance: Balance | str | None = None, num_buffers: int | str | None = None) -> SessionConfig:
+    """`base` with the given options changed (None: unchanged); checked as a whole,
+    including that every switch set means something in the mode."""
+    base = base if isinstance(base, SessionConfig) else load_model(SessionConfig, dict(base or {}))
+    given = lambda **kw: {k: v for k, v in kw.items() if v is not None}  # noqa: E731
+    cluster = {**base.cluster.model_dump(), **given(
+        world_size=world_size, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker, placement=placement,
+        threads_per_worker=threads_per_worker, stage_timeout_s=stage_timeout_s,
+        buffer_wait_timeout_s=buffer_wait_timeout_s, torch_distributed=torch_distributed)}
+    switches = {**base.switches.model_dump(exclude_unset=True), **given(
+        local_cache=local_cache, double_buffer=double_buffer, balance=balance, num_buffers=num_buffers)}
+    top = {**base.model_dump(exclude={"algo", "cluster", "switches"}),
+           **given(mode=mode, seed=seed, keep_outputs=keep_outputs, history_steps=history_steps)}
+    cfg = SessionConfig(**{**top, "cluster": load_model(ClusterOptions, cluster, "cluster options"),
+                           "switches": load_model(Switches, switches, "switches")}, algo=base.algo)
+    check_switches(cfg.mode, cfg.switches)
+    return cfg
+
+
+OPTIONS = [p for p in inspect.signature(session_config).parameters if p != "base"]
+
+
+def _configure(base: SessionConfig | dict | None, options: dict[str, Any]) -> SessionConfig:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown session option {unknown[0]!r}; options: {OPTIONS}")
+    return session_config(base, **options)
+
+
+class Session:
+    """A running DAG on Ray workers. Every method delegates to the controller
+    (`self.controller`) or to a figure function in `observe`."""
+
+    def __init__(self, dag: DAG, config: SessionConfig | RunConfig | dict | None = None,
+                 engines: str | Callable | None = None, **options: Any) -> None:
+        if isinstance(config, RunConfig):
+            from distflow_lab.algos.registry import check_run_config
+
+            check_run_config(config)
+            engines = engines or "distflow_lab.algos.engine_setup:setup_engines"
+            config = config.session_config()
+        self.dag, self._engines = dag, engines
+        self._config = _configure(config, options)
+        self.controller = Controller(dag, self._config, PLANES[self._config.mode](), engines)
+        self.previous: dict[str, pd.DataFrame] = {}  # spans of earlier modes (reopen), for side-by-side figures
+        self.previous_metrics: dict[str, pd.DataFrame] = {}
+
+    # ---- running ------------------------------------------------------------------
+    def step_stage(self) -> StageReport:
+        """Run the next stage on every worker."""
+        return self.controller.step_stage()
+
+    def step(self) -> StepReport:
+        """Finish the current step."""
+        return self.controller.step()
+
+    def run(self, steps: int, progress: bool = True) -> pd.DataFrame:
+        """Run `steps` steps with a progress bar; returns their metrics."""
+        if steps < 1:
+            raise ConfigError(f"steps must be at least 1, got {steps}")
+        reports = self.controller.run(steps, progress=progress)
+        return pd.DataFrame([{"step": r.step, "wall_s": r.wall_seconds, **r.metrics} for r in reports])
+
+    def reopen(self, mode: str | None = None, dag: DAG | None = None, **options: Any) -> "Session":
+        """Reconfigure with another mode, switches or DAG, on the same worker processes
+        when the placement allows (fresh engines, loaders, data plane, step 0); the spans
+        and metrics so far are kept for side-by-side figures. Switches set earlier that
+        mean nothing in the new mode are dropped; ones given here must apply."""
+        self.previous[self.mode] = self.spans
+        self.previous_metrics[self.mode] = self.metrics
+        new_mode = mode or self.mode
+        carried = self._config.model_copy(update={"switches": Switches(**{
+            k: v for k, v in self._config.switches.model_dump(exclude_unset=True).items()
+            if k in SWITCHES_BY_MODE.get(new_mode, ())})})
+        config = _configure(carried, {**options, "mode": new_mode})
+        self.dag = dag or self.dag
+        old = self.controller
+        if not old.can_hand_over(config):
+            old.close()  # nothing to take over: free its slots first, or a full cluster cannot place the new workers
+        self.controller = Controller(self.dag, config, PLANES[config.mode](), self._engines, reuse=old)
+        old.close()  # frees what was not taken over (its data plane; its workers if not handed over)
+        self._config = config
+        return self
+
+    def resume(self, directory: str | Path | None = None) -> int:
+        """Restart the workers and data-plane actors and load a checkpoint (the last one by default)."""
+        return self.controller.resume(directory)
+
+    def close(self) -> None:
+        self.controller.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ---- what happened -----------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.controller.mode
+
+    @property
+    def plan(self):
+        return self.controller.plan
+
+    @property
+    def config(self) -> SessionConfig:
+        return self.controller.config
+
+    @property
+    def workers(self) -> list:
+        return self.controller.workers
+
+    @property
+    def spans(self) -> pd.DataFrame:
+        return self.controller.spans
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        return self.controller.metrics
+
+    @property
+    def history(self):
+        return self.controller.history
+
+    @property
+    def retries(self) -> list[dict]:
+        return self.controller.retries
+
+    @property
+    def bytes_to_driver(self) -> int:
+        return self.controller.bytes_to_driver
+
+    @property
+    def cursor(self) -> tuple[int, str]:
+        """(step, next stage id)."""
+        c = self.controller
+        return c.step_index, self.plan.stages[c.next_stage].id
+
+    def peek(self, stage: str, worker: int = 0, n: int = 4) -> pd.DataFrame:
+        """A few samples of `stage`'s latest output on `worker`, decoded (prompt,
+        response, reward, advantage); only these rows travel to the driver."""
+        rows = self.controller.samples(stage, worker, n)
+        if not rows:
+            raise KeyError(f"worker {worker} holds no output of stage {stage!r} yet: run it first")
+        return pd.DataFrame(rows)
+
+    def output(self, stage: str, worker: int = 0, n: int | None = None) -> Batch:
+        """The raw Batch of `stage`'s latest output on `worker` (its first `n` rows; all by default)."""
+        return self.controller.peek(stage, worker, n=10**12 if n is None else n)
+
+    def redistribution_lengths(self) -> dict[str, tuple[np.ndarray, int]]:
+        """For each redistribute edge: (item token lengths of the latest step, consumers' dp size)."""
+        return self.controller.redistribution_lengths()
+
+    def ledger(self) -> pd.DataFrame:
+        """Items in/out of the data plane per (step, edge): nothing lost, nothing duplicated."""
+        return self.controller.ledger()
+
+    # ---- pictures --------------------------------------------------------------------------
+    def timeline(self, steps: list[int] | None = None, last: int = 2):
+        from distflow_lab.observe.timeline import last_steps, timeline
+
+        spans = self.spans
+        steps = last_steps(spans, last) if steps is None else steps
+        return timeline(spans, steps=steps, title=f"{self.mode}: steps {steps}")
+
+    def breakdown(self, skip: int = 0):
+        """Paper Table 1, this session's mode beside any earlier one (reopen): a `Breakdown`
+        that shows the figure and the table (`.figure`, `.table`; `fig, table = ...` works);
+        `skip` drops each mode's first steps (warm-up)."""
+        from distflow_lab.observe.breakdown import breakdown
+
+        spans = {m: df[df["step"] >= df["step"].min() + skip] if len(df) else df
+                 for m, df in {**self.previous, self.mode: self.spans}.items()}
+        return breakdown(spans, [s.id for s in self.plan.stages])
+
+    def cache_hits(self):
+        from distflow_lab.observe.breakdown import cache_hits
+
+        return cache_hits(self.spans)
+
+    def load_balance(self, edge: str | None = None):
+        from distflow_lab.observe.load_balance import load_balance
+
+        lengths = self.redistribution_lengths()
+        if not lengths:
+            raise ValueError("no redistribute edge with data yet (the plan has none, or no step ran)")
+        name = edge or next(iter(lengths))
+        values, k = lengths[name]
+        return load_balance(values, k, title=f"token load per worker at {name}")
+
+    def curves(self, columns: list[str] | None = None):
+        from distflow_lab.observe.curves import metric_curves
+
+        return metric_curves(self.metrics, columns)
+
+    def dag_figure(self):
+        from distflow_lab.observe.dag_figure import dag_figure
+
+        return dag_figure(self.plan)
+
+    # ---- export -------------------------------------------------------------------------------
+    def trace(self, path: str | Path) -> Path:
+        """Chrome trace JSON of all spans (open it in https://ui.perfetto.dev)."""
+        from distflow_lab.observe.trace import to_chrome_trace
+
+        to_chrome_trace(self.spans, path)
+        return Path(path)
+
+    def report(self, path: str | Path) -> Path:
+        """One self-contained HTML file with every figure and the run's config."""
+        from distflow_lab.observe.report import write_report
+
+        return write_report(self, path, extra_spans=self.previous or None)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        return self.controller.save_checkpoint(directory)
+
+    def load_checkpoint(self, directory: str | Path) -> int:
+        return self.controller.load_checkpoint(directory)
+
+    def __repr__(self) -> str:
+        c = self.controller
+        return (f"Session({self.dag.name!r}, mode={self.mode}, workers={len(c.workers)}, step={c.step_index}, "
+                f"next stage={self.cursor[1]!r}, switches={self.config.switches.model_dump(mode='json')})")
+
+    def _repr_html_(self) -> str:
+        last = self.metrics.tail(1).to_dict("records")
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in (last[0] if last else {}).items() if isinstance(v, float))
+        return (f"<b>Session</b> {html.escape(self.dag.name)} · {self.mode} · "
+                f"{len(self.controller.workers)} workers · step {self.controller.step_index} · "
+                f"next stage <code>{html.escape(self.cursor[1])}</code><br><small>{html.escape(shown)}</small>"
+                + self.plan._repr_html_())
+
+
+def session(dag: DAG, config: SessionConfig | RunConfig | dict | None = None, engines: str | Callable | None = None,
+            **options: Any) -> Session:
+    """Start workers for `dag`. `config` is a SessionConfig (or dict) for custom
+    stages, or a RunConfig for the built-in RL algorithms. `options`: mode, seed,
+    cluster options (world_size, stage_timeout_s, ...) and switches (local_cache,
+    double_buffer, balance, num_buffers); see `OPTIONS`. An unknown one is an error."""
+    return Session(dag, config, engines, **options)
+
+
+def rl_session(config: str | RunConfig = "tiny-cpu-grpo", overrides: list[str] | None = None,
+               dag: DAG | None = None, progress: bool = True, **options: Any) -> Session:
+    """A GRPO/PPO session from a preset or YAML (plus overrides): prepares the model
+    (SFT warm start, cached) and data, then starts the workers. Pass `dag` to run a
+    modified DAG (e.g. `lab.rl_dag(cfg).replace("advantage", fn=my_fn)`)."""
+    from distflow_lab.algos.registry import build_dag
+    from distflow_lab.api.runner import load_run_config, prepare
+
+    cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
+    cfg, data_path = prepare(cfg, progress)
+    return Session(dag or build_dag(cfg, data_path), cfg, **options)
+
+
+def rl_dag(cfg: RunConfig | str, overrides: list[str] | None = None) -> DAG:
+    """The built-in DAG of a run config (GRPO, PPO, ...), for editing before `rl_session`."""
+    from distflow_lab.algos.registry import build_dag
+    from distflow_lab.api.runner import load_run_config, prepare_data
+
+    cfg = cfg if isinstance(cfg, RunConfig) else load_run_config(cfg, overrides)
+    return build_dag(cfg, prepare_data(cfg))
+
+
+def run_config(preset: str = "tiny-cpu-grpo", overrides: list[str] | None = None) -> RunConfig:
+    from distflow_lab.api.runner import load_run_config
+
+    return load_run_config(preset, overrides)
+
+
+__all__ = ["Session", "session", "rl_session", "rl_dag", "run_config", "session_config", "OPTIONS", "PLANES"]

@@ -1,0 +1,89 @@
+"""Errors a user sees. Each names what is at fault (stage, worker, step, node,
+file, key). Every user-facing failure of distflow_lab is one of these: raw Ray
+or torch exceptions are turned into them where they cross into the driver."""
+from __future__ import annotations
+
+
+class FriendlyError(Exception):
+    """Shown in a notebook as its message only (IPython's `_render_traceback_` hook),
+    and by the CLI as `error: <message>`: a traceback into distflow_lab or Ray
+    internals helps nobody fix a bad input."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
+
+
+class ConfigError(FriendlyError, ValueError):
+    """A configuration that cannot run; names the key (or override) at fault."""
+
+
+class DatasetError(FriendlyError, ValueError):
+    """A dataset that cannot be read or does not follow the schema; names the file (and row or line)."""
+
+
+class DAGError(FriendlyError, ValueError):
+    """A DAG that cannot run. The message names the node at fault."""
+
+
+class StageError(FriendlyError, RuntimeError):
+    """A stage function raised, returned the wrong thing, or its worker died."""
+
+    def __init__(self, message: str, *, step: int, stage: str, worker: int | None, remote_traceback: str = "") -> None:
+        super().__init__(message + (f"\n\n--- traceback on the worker ---\n{remote_traceback}" if remote_traceback else ""))
+        self.step, self.stage, self.worker = step, stage, worker
+        self.remote_traceback = remote_traceback
+        self.summary = message
+
+    def __reduce__(self):  # keyword-only fields: rebuild explicitly when crossing processes
+        return (_rebuild, (type(self), self.summary, self.step, self.stage, self.worker, self.remote_traceback))
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self.summary}"]
+
+    def _repr_html_(self) -> str:  # readable in a notebook, not a wall of Ray internals
+        import html
+
+        return (f"<div style='border-left:4px solid #c0392b;padding:4px 8px'><b>{html.escape(self.summary)}</b>"
+                f"<details><summary>traceback on the worker</summary><pre>{html.escape(self.remote_traceback)}</pre>"
+                "</details></div>")
+
+
+def _rebuild(cls, summary, step, stage, worker, tb):
+    return cls(summary, step=step, stage=stage, worker=worker, remote_traceback=tb)
+
+
+class WorkerLost(StageError):
+    """A DAG worker process died or stopped answering."""
+
+
+class StageTimeout(StageError):
+    """A stage ran past its timeout on some workers."""
+
+
+class StageContractError(StageError):
+    """A stage returned the wrong columns or row count for what its node declares."""
+
+
+class PlaneLost(StageError):
+    """A data-plane actor (a DataBuffer or the coordinator) died during a step.
+    The controller retries the step once when no training stage has run yet."""
+
+
+class BufferLost(PlaneLost):
+    """A DataBuffer actor died during a redistribution."""
+
+
+class CoordinatorLost(PlaneLost):
+    """The metadata coordinator actor died during a step."""
+
+
+class SessionBroken(FriendlyError, RuntimeError):
+    """The workers cannot run another step (some are dead or stuck) until `resume()`."""
+
+
+class PlacementError(FriendlyError, RuntimeError):
+    """The cluster cannot hold what was asked for (workers, CPUs, GPUs)."""
+
+
+class CheckpointError(FriendlyError, ValueError):
+    """A checkpoint that is missing, incomplete, corrupt or from another configuration."""

@@ -1,0 +1,226 @@
+"""DataBuffer (paper §6.2): one Ray actor per node, keyed by (step, edge).
+
+It redistributes a batch between stages whose data-parallel sizes differ, and
+moves only metadata and object references itself — payloads go straight from
+the producer's object store to the consumer:
+
+1. every producer (tensor-parallel rank 0 of its group only) reports the
+   token length of each of its items to every buffer (`report`);
+2. `plan` waits for all producers' lengths, balances items over the consumers
+   (constrained LPT by default) and tells each producer which of its rows go
+   to which consumer;
+3. the producer `ray.put`s one object per destination node (the rows of all
+   that node's consumers, grouped by consumer) and registers it with that
+   node's buffer (`add_piece`) — so a node pulls exactly the rows its workers
+   need, once, and a producer makes one put per node, not one per consumer;
+4. the consumer gets its (reference, row range) from every producer
+   (`get_pieces`), reads its contiguous slice of each object (a zero-copy view
+   on its node) and concatenates them.
+
+Every item is counted in (reported, pieces added) and out (pieces fetched by
+group rank 0): `ledger()` shows nothing lost and nothing duplicated.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from distflow_lab.dataplane.double_buffer import DoubleBuffer
+from distflow_lab.core.config import Balance
+from distflow_lab.dataplane.routing import route
+
+
+class BufferError(RuntimeError):
+    """A redistribution that cannot complete; names the step, edge and missing parties."""
+
+
+class BufferRestarted(BufferError):
+    """This buffer was killed and restarted by Ray: the step in flight lost its data here."""
+
+
+@dataclass
+class _Edge:
+    lengths: dict[int, np.ndarray] = field(default_factory=dict)
+    plan_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    pieces_for_producer: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    pieces: dict[int, dict[int, Any]] = field(default_factory=dict)  # consumer -> producer -> (ref, start, stop)
+    piece_ready: dict[int, asyncio.Event] = field(default_factory=dict)
+
+
+@dataclass
+class _Count:
+    step: int
+    edge: str
+    items_reported: int = 0
+    items_in: int = 0
+    items_out: int = 0
+    pieces_in: int = 0
+    pieces_out: int = 0
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class DataBuffer:
+    def __init__(self, index: int, double_buffer: bool = True, wait_timeout_s: float = 120.0) -> None:
+        self.index = index
+        self.wait_timeout_s = wait_timeout_s
+        self._store = DoubleBuffer(double_buffer)
+        self._counts: dict[tuple[int, str], _Count] = {}
+        self._done: deque[_Count] = deque(maxlen=10_000)
+        self._aborted: dict[int, str] = {}
+        self._progress: dict[int, tuple[int, str, int]] = {}  # worker -> (step, stage, stamp) last started
+        # A restarted buffer has lost its state: refuse the steps in flight until the
+        # driver has reset them (reset_step), instead of waiting for pieces that never come.
+        with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
+            warnings.simplefilter("ignore")
+            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        self._accept_from = float("inf") if restarted else float("-inf")
+        self.node_id = ray.get_runtime_context().get_node_id()
+        gc.collect()
+        gc.freeze()  # keep the event loop's GC pauses short (Ray's own objects are many)
+
+    # ---- helpers --------------------------------------------------------------
+    def _edge(self, step: int, edge: str) -> _Edge:
+        if step < self._accept_from:
+            raise BufferRestarted(f"buffer {self.index} was restarted: the data of step {step} edge {edge} is lost")
+        if step in self._aborted:
+            raise BufferError(f"step {step} was aborted: {self._aborted[step]}")
+        store = self._store.store(step)
+        e = store.get(edge)
+        if e is None:
+            e = store[edge] = _Edge()
+        return e
+
+    def _count(self, step: int, edge: str) -> _Count:
+        c = self._counts.get((step, edge))
+        if c is None:
+            c = self._counts[(step, edge)] = _Count(step, edge)
+        return c
+
+    def _pop_counts(self, closed: Callable[[int], bool], suffix: str = "") -> list[dict]:
+        """Move the counts of the `closed` steps to the finished ones (their edge name
+        + `suffix`); returns them as ledger rows."""
+        rows = []
+        for key in [k for k in self._counts if closed(k[0])]:
+            c = self._counts.pop(key)
+            c.edge += suffix
+            self._done.append(c)
+            rows.append({**c.__dict__, "buffer": self.index})
+        return rows
+
+    async def _wait(self, event: asyncio.Event, step: int, what: str) -> None:
+        try:
+            await asyncio.wait_for(event.wait(), self.wait_timeout_s)
+        except asyncio.TimeoutError:
+            raise BufferError(f"buffer {self.index}: timed out after {self.wait_timeout_s:.0f}s waiting for {what}") from None
+        if step in self._aborted:
+            raise BufferError(f"step {step} was aborted while waiting for {what}: {self._aborted[step]}")
+
+    # ---- protocol -------------------------------------------------------------
+    async def report(self, step: int, edge: str, producer: int, lengths: np.ndarray, n_producers: int,
+                     n_consumers: int, policy: Balance | str, count: bool) -> None:
+        """A producer's item lengths (sent to every buffer; counted only by the
+        producer's own). When all producers reported, plan the routing."""
+        e = self._edge(step, edge)
+        if count:
+            self._count(step, edge).items_reported += len(lengths)
+        if producer in e.lengths:
+            raise BufferError(f"step {step} edge {edge}: producer {producer} reported twice")
+        e.lengths[producer] = np.asarray(lengths)
+        if len(e.lengths) == n_producers:
+            pieces = route([e.lengths[p] for p in range(n_producers)], n_consumers, policy)
+            e.pieces_for_producer = dict(enumerate(pieces))
+            e.plan_ready.set()
+
+    async def plan(self, step: int, edge: str, producer: int) -> list[np.ndarray]:
+        """Rows of `producer` for each consumer (local indices, ascending). Waits for all producers."""
+        e = self._edge(step, edge)
+        await self._wait(e.plan_ready, step, f"all producers' lengths on step {step} edge {edge} "
+                                              f"(have producers {sorted(e.lengths)})")
+        return e.pieces_for_producer[producer]
+
+    async def add_piece(self, step: int, edge: str, producer: int, ref: list, slices: dict[int, tuple[int, int]],
+                        n_producers: int) -> None:
+        """One object from `producer` holding the rows of every consumer on this
+        node; consumer c's rows are the contiguous `slices[c]` = (start, stop)."""
+        e = self._edge(step, edge)
+        c = self._count(step, edge)
+        c.pieces_in += 1
+        for consumer, (start, stop) in slices.items():
+            got = e.pieces.setdefault(consumer, {})
+            if producer in got:
+                raise BufferError(f"step {step} edge {edge}: producer {producer} sent consumer {consumer} rows twice")
+            got[producer] = (ref[0], start, stop)
+            c.items_in += stop - start
+            if len(got) == n_producers:
+                e.piece_ready.setdefault(consumer, asyncio.Event()).set()
+
+    async def get_pieces(self, step: int, edge: str, consumer: int, n_producers: int,
+                         count_as_out: bool) -> list[tuple]:
+        """(ref, start, stop) of the consumer's rows from each producer, in producer order."""
+        e = self._edge(step, edge)
+        ready = e.piece_ready.setdefault(consumer, asyncio.Event())
+        await self._wait(ready, step, f"pieces for consumer {consumer} on step {step} edge {edge} "
+                                      f"(have producers {sorted(e.pieces.get(consumer, {}))} of {n_producers})")
+        got = [e.pieces[consumer][p] for p in range(n_producers)]
+        if count_as_out:
+            c = self._count(step, edge)
+            c.pieces_out += len(got)
+            c.items_out += sum(stop - start for _, start, stop in got)
+        return got
+
+    # ---- step lifecycle --------------------------------------------------------
+    async def end_step(self, step: int) -> tuple[float, list[dict]]:
+        """Release the step's store (background with the double buffer). Returns the
+        critical-path seconds and the step's item counts (the driver keeps them: they
+        survive this actor)."""
+        counts = self._pop_counts(lambda s: s <= step)
+        return self._store.release(step), counts
+
+    async def reset_step(self, step: int) -> list[dict]:
+        """Forget an aborted attempt of `step` so it can run again (its partial
+        counts stay in the ledger, marked as an aborted attempt)."""
+        aborted = self._pop_counts(lambda s: s == step, " (aborted attempt)")
+        self._aborted.pop(step, None)
+        self._accept_from = min(self._accept_from, step)
+        self._store.release(step)
+        return aborted
+
+    async def note_progress(self, worker: int, step: int, stage: str, stamp: int) -> None:
+        """Workers say which stage they start (fire and forget): who was where when one died.
+        An async actor may run calls out of submission order, so the newest `stamp`
+        (the worker's CLOCK_MONOTONIC, shared by the processes of a node) wins."""
+        if stamp >= self._progress.get(worker, (0, "", -1))[2]:
+            self._progress[worker] = (step, stage, stamp)
+
+    async def progress(self) -> dict[int, tuple[int, str]]:
+        return {w: (step, stage) for w, (step, stage, _) in self._progress.items()}
+
+    async def abort(self, step: int, reason: str) -> None:
+        """Fail every waiter of `step` (a worker died or a stage raised) so nobody hangs."""
+        self._aborted[step] = reason
+        for e in self._store.store(step).values():
+            e.plan_ready.set()
+            for ev in e.piece_ready.values():
+                ev.set()
+
+    async def ledger(self) -> list[dict]:
+        rows = [*self._done, *self._counts.values()]
+        return [{**c.__dict__, "buffer": self.index} for c in rows]
+
+    async def stats(self) -> dict:
+        return {"index": self.index, "node_id": self.node_id, "open_steps": self._store.steps(),
+                "releases": self._store.releases, "double_buffer": self._store.enabled}
+
+    async def drain(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._store.drain)
+
+    async def ping(self) -> str:
+        return self.node_id

@@ -1,0 +1,137 @@
+"""The contract between the controller and a data plane.
+
+A data plane has two halves. The driver half (`DataPlane`) lives in the
+controller: it places its actors, hands each worker its half, and takes part
+in the step's life cycle (begin, per-stage hooks, end, abort, reset). The
+worker half (`WorkerPort`) lives in every DAG worker: it fetches a stage's
+input and publishes its output.
+
+    controller                         DAG worker
+    ----------                         ----------
+    plane.start(setup) -> spec  ---->  port = spec.bind(rank, recorder)
+    args = plane.stage_args(...)  --->  batch = port.fetch(...); out = fn(batch)
+    plane.stage_done(handoffs)  <----  handoff = port.publish(...)
+    plane.end_step(step)
+
+Three planes implement it: `centralized` (the driver moves every byte),
+`coordinator` (one metadata-only actor) and `distributed` (a DataBuffer per
+node). The controller never asks which one it holds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import Switches
+from distflow_lab.core.spans import Span, SpanRecorder
+
+if TYPE_CHECKING:
+    from distflow_lab.graph.planner import Edge, Plan, Stage
+
+
+@dataclass
+class PlaneSetup:
+    """What the controller tells a data plane when the session starts."""
+
+    plan: "Plan"
+    switches: Switches
+    seed: int
+    worker_nodes: list[str]  # full Ray node id of every worker rank
+    wait_timeout_s: float  # longest an actor waits for producers before failing the step
+    driver_context: Callable[..., Any] | None = None  # (step, stage, dp_rank, loader) -> a stage context
+
+
+@dataclass
+class Fetched:
+    """A stage's input on one worker, and how it got there."""
+
+    batch: Batch
+    route: str  # "loader" | "cache" | "buffer" | "coordinator" | "driver" | "none"
+    cache_hit: bool | None = None
+
+
+@dataclass
+class EndOfStep:
+    """What a data plane reports when a step ends."""
+
+    seconds: float = 0.0  # on the critical path
+    ledger: list[dict] = field(default_factory=list)  # items in/out per (step, edge)
+
+
+class WorkerPort(Protocol):
+    """The worker half of a data plane (one per DAG worker)."""
+
+    def begin_step(self, step: int) -> None: ...
+
+    def note_progress(self, step: int, stage: str) -> None: ...
+
+    def fetch(self, step: int, stage: "Stage", edge: "Edge | None", producer: "Stage | None", arg: Any) -> Fetched: ...
+
+    def publish(self, step: int, stage: "Stage", edge: "Edge | None", consumer: "Stage | None", out: Batch,
+                batch_in: Batch) -> Any: ...
+
+    def clear(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def kill_actor(self, index: int) -> None: ...
+
+
+class WorkerSpec(Protocol):
+    """The picklable description of a worker half; the worker binds it to itself."""
+
+    loads_data: bool  # workers run the data_load stage (centralized: the driver does)
+
+    def bind(self, rank: int, recorder: SpanRecorder) -> WorkerPort: ...
+
+
+class DataPlane(Protocol):
+    """The driver half of a data plane (one per session)."""
+
+    mode: str
+    driver_moves_data: bool  # True: stages run one by one, the driver handling data between them
+    bytes_to_driver: int  # payload bytes the driver itself received (centralized: every collect)
+
+    def start(self, setup: PlaneSetup) -> WorkerSpec: ...
+
+    def begin_step(self, step: int) -> None: ...
+
+    def run_on_driver(self, step: int, stage: "Stage") -> list[Span] | None: ...
+
+    def stage_args(self, step: int, stage: "Stage", world_size: int) -> list[Any]: ...
+
+    def stage_done(self, step: int, stage: "Stage", handoffs: list[Any]) -> list[Span]: ...
+
+    def end_step(self, step: int) -> EndOfStep: ...
+
+    def abort(self, step: int, reason: str) -> None: ...
+
+    def reset_step(self, step: int) -> list[dict]: ...
+
+    def where(self, worker: int) -> str | None: ...
+
+    def actors(self) -> list: ...
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def wait_alive(actor, timeout_s: float) -> bool:
+    """Ray restarts a killed actor; wait (bounded) until it answers. False if it does not."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=min(10.0, max(0.1, deadline - time.monotonic())))
+            return True
+        except (RayError, GetTimeoutError):
+            time.sleep(0.2)
+    return False

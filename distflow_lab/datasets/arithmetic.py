@@ -1,0 +1,88 @@
+"""Synthetic arithmetic of adjustable difficulty, in the verl RL schema.
+
+Built for a character-level tiny model trained with RL on a CPU, so prompts
+are as short as possible: the prompt is the bare expression ("3+4=") and the
+ground truth is the integer result ("7"). Difficulty knobs:
+
+    min_operand / max_operand   operand range (non-negative)
+    ops                         any of "+", "-", "*" (standard precedence)
+    num_terms                   operands per expression
+
+Results are never negative unless "-" is among `ops` (and then only if
+`allow_negative`). Everything is deterministic given `seed`.
+"""
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any, Sequence
+
+from distflow_lab.datasets.schema import write_parquet
+
+DATA_SOURCE = "distflow/arithmetic"
+SUPPORTED_OPS = ("+", "-", "*")
+
+
+def evaluate(operands: Sequence[int], ops: Sequence[str]) -> int:
+    """Value of operands[0] ops[0] operands[1] ... with '*' binding tighter than '+'/'-'."""
+    total, term = 0, operands[0]
+    sign = 1
+    for op, x in zip(ops, operands[1:]):
+        if op == "*":
+            term *= x
+        else:  # close the current product term, start a new one
+            total += sign * term
+            sign, term = (1 if op == "+" else -1), x
+    return total + sign * term
+
+
+def make_arithmetic_rows(
+    n: int,
+    seed: int,
+    min_operand: int = 0,
+    max_operand: int = 9,
+    ops: Sequence[str] = ("+",),
+    num_terms: int = 2,
+    allow_negative: bool = True,
+    split: str = "train",
+) -> list[dict[str, Any]]:
+    """`n` verl-schema rows like prompt "3+4=" -> ground_truth "7", deterministic per `seed`.
+
+    `allow_negative=False` resamples expressions whose value is negative
+    (only possible when "-" is in `ops`).
+    """
+    if n < 0 or num_terms < 1:
+        raise ValueError(f"need n >= 0 and num_terms >= 1, got n={n}, num_terms={num_terms}")
+    if not 0 <= min_operand <= max_operand:
+        raise ValueError(f"need 0 <= min_operand <= max_operand, got {min_operand}..{max_operand}")
+    bad = [op for op in ops if op not in SUPPORTED_OPS]
+    if not ops or bad:
+        raise ValueError(f"ops must be a non-empty subset of {SUPPORTED_OPS}, got {tuple(ops)}")
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        for _ in range(1000):  # rejection sampling; P(value >= 0) is far above 1/1000
+            xs = [rng.randint(min_operand, max_operand) for _ in range(num_terms)]
+            chosen_ops = [rng.choice(tuple(ops)) for _ in range(num_terms - 1)]
+            value = evaluate(xs, chosen_ops)
+            if value >= 0 or allow_negative:
+                break
+        else:
+            raise ValueError("could not sample a non-negative expression; loosen the difficulty")
+        expr = "".join(f"{x}{op}" for x, op in zip(xs, chosen_ops)) + f"{xs[-1]}="
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": expr}],
+                "ability": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": str(value)},
+                "extra_info": {"split": split, "index": i, "question": expr, "answer": str(value)},
+            }
+        )
+    return rows
+
+
+def write_arithmetic_parquet(path: str | os.PathLike, n: int, seed: int, **difficulty: Any) -> Path:
+    """Write `make_arithmetic_rows(n, seed, **difficulty)` to `path`; return the path."""
+    return write_parquet(make_arithmetic_rows(n, seed, **difficulty), path)

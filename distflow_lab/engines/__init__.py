@@ -1,1 +1,0 @@
-"""Model engines: tokenizer and model builders / loaders used by rollout and training."""

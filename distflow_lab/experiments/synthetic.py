@@ -1,0 +1,183 @@
+"""Synthetic GRPO/PPO-shaped workload: the data-plane benchmark's stages.
+
+The stages emit the tensors a real GRPO step moves (verl's layout: prompt +
+response token ids, attention mask, position ids, response mask, log-probs,
+values, advantages), with response lengths drawn from a lognormal and an
+optional simulated compute time proportional to tokens (a sleep: on a 2-core
+machine it shows stragglers and load balance without CPU contention).
+
+Per-stage knobs are the node's `params`, typed by `SyntheticParams` (an
+unknown or misspelt key is an error naming the node and the key).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from pydantic import Field, ValidationError
+
+from distflow_lab.algos.estimators import gae_advantage, grpo_outcome_advantage, outcome_to_token_rewards
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import ConfigError, DataSpec, Strict
+from distflow_lab.graph.dag import DAG
+from distflow_lab.graph.shapes import grpo_shape, ppo_shape
+from distflow_lab.runtime.context import StageContext
+
+
+class SyntheticParams(Strict):
+    """The knobs of the synthetic stages (a node's `params`)."""
+
+    n: int = Field(default=4, ge=1)
+    """rollout: responses per prompt."""
+    max_prompt_len: int = Field(default=256, ge=1)
+    """rollout: P, prompts left-padded to it."""
+    max_response_len: int = Field(default=256, ge=1)
+    """rollout: R, responses right-padded to it."""
+    response_len_mean: float | None = Field(default=None, gt=0)
+    """rollout: median response length (lognormal; None: R / 4)."""
+    response_len_sigma: float = Field(default=0.6, ge=0)
+    """rollout: lognormal sigma of response lengths."""
+    us_per_token: float = Field(default=0.0, ge=0)
+    """every stage: simulated compute, microseconds per token (a sleep)."""
+    p_correct: float = Field(default=0.5, ge=0, le=1)
+    """reward: probability that a response scores 1."""
+
+
+def params(ctx: StageContext) -> SyntheticParams:
+    try:
+        return SyntheticParams(**ctx.params)
+    except ValidationError as e:
+        bad = "; ".join(f"{'.'.join(map(str, err['loc']))}: "
+                        + ("unknown key" if err["type"] == "extra_forbidden" else err["msg"]) for err in e.errors())
+        raise ConfigError(f"node {ctx.stage.id!r} params: {bad}") from None
+
+
+def _simulate(batch: Batch, ctx: StageContext, tokens: int | None = None) -> None:
+    us = params(ctx).us_per_token
+    if us > 0 and len(batch):
+        n = tokens if tokens is not None else int(batch["attention_mask"].sum())
+        time.sleep(n * us * 1e-6)
+
+
+def rollout(batch: Batch, ctx: StageContext) -> Batch:
+    p = params(ctx)
+    n, P, R = p.n, p.max_prompt_len, p.max_response_len
+    g = ctx.rng
+    prompt_len = torch.as_tensor([min(int(x), P) for x in batch["prompt_len"]], dtype=torch.int64)
+    prompt_len = prompt_len.repeat_interleave(n)
+    rows = len(prompt_len)
+    mean, sigma = p.response_len_mean or R / 4, p.response_len_sigma
+    normal = torch.randn(rows, generator=g, dtype=torch.float64)
+    resp_len = torch.exp(np.log(mean) + sigma * normal).round().clamp(1, R).to(torch.int64)
+    cols = torch.arange(P + R)
+    # verl layout: prompts left-padded to P, responses right-padded to R
+    prompt_mask = cols[None, :P] >= (P - prompt_len)[:, None]
+    response_mask = cols[None, :R] < resp_len[:, None]
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).to(torch.int64)
+    input_ids = torch.randint(3, 32000, (rows, P + R), generator=g) * attention_mask
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    uid = np.repeat(np.asarray([f"{int(r)}" for r in batch["row_id"]], dtype=object), n)
+    out = Batch(
+        {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+         "responses": input_ids[:, P:].clone(), "response_mask": response_mask.to(torch.int64)},
+        {"uid": uid},
+        {"max_prompt_len": P, "max_response_len": R},
+    )
+    _simulate(out, ctx)
+    return out
+
+
+def reward(batch: Batch, ctx: StageContext) -> Batch:
+    scores = (torch.rand(len(batch), generator=ctx.rng) < params(ctx).p_correct).to(torch.float32)
+    _simulate(batch, ctx, tokens=int(batch["response_mask"].sum()))
+    ctx.log(**{"reward/mean": scores.mean().item()})
+    return batch.with_columns(scores=scores)
+
+
+def grpo_advantage(batch: Batch, ctx: StageContext) -> Batch:
+    adv, ret = grpo_outcome_advantage(batch["scores"], batch["response_mask"], batch["uid"])
+    return batch.with_columns(advantages=adv.float(), returns=ret.float())
+
+
+def _token_floats(batch: Batch, ctx: StageContext, scale: float = 1.0) -> torch.Tensor:
+    mask = batch["response_mask"]
+    return torch.randn(mask.shape, generator=ctx.rng) * scale * mask
+
+
+def old_log_prob(batch: Batch, ctx: StageContext) -> Batch:
+    _simulate(batch, ctx)
+    return batch.with_columns(old_log_probs=_token_floats(batch, ctx) - 2.0 * batch["response_mask"])
+
+
+def ref_log_prob(batch: Batch, ctx: StageContext) -> Batch:
+    _simulate(batch, ctx)
+    return batch.with_columns(ref_log_probs=_token_floats(batch, ctx) - 2.0 * batch["response_mask"])
+
+
+def values(batch: Batch, ctx: StageContext) -> Batch:
+    _simulate(batch, ctx)
+    return batch.with_columns(values=_token_floats(batch, ctx, 0.1))
+
+
+def gae(batch: Batch, ctx: StageContext) -> Batch:
+    mask = batch["response_mask"]
+    adv, ret = gae_advantage(outcome_to_token_rewards(batch["scores"], mask), batch["values"], mask)
+    return batch.with_columns(advantages=adv.float(), returns=ret.float())
+
+
+def actor_update(batch: Batch, ctx: StageContext) -> Batch:
+    _simulate(batch, ctx)
+    mask = batch["response_mask"]
+    ctx.log(**{"actor/tokens": float(batch["attention_mask"].sum()),
+               "actor/adv_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1))})
+    return batch
+
+
+def critic_update(batch: Batch, ctx: StageContext) -> Batch:
+    _simulate(batch, ctx)
+    mask = batch["response_mask"]
+    err = ((batch["values"] - batch["returns"]) ** 2 * mask).sum() / mask.sum().clamp(min=1)
+    ctx.log(**{"critic/vf_loss": float(err)})
+    return batch
+
+
+_M = "distflow_lab.experiments.synthetic:"
+GRPO_FNS = {"rollout": _M + "rollout", "reward": _M + "reward", "advantage": _M + "grpo_advantage",
+            "old_log_prob": _M + "old_log_prob", "ref_log_prob": _M + "ref_log_prob",
+            "actor_update": _M + "actor_update"}
+PPO_FNS = {**GRPO_FNS, "advantage": _M + "gae", "values": _M + "values", "critic_update": _M + "critic_update"}
+
+
+def synthetic_data(batch_size: int, num_rows: int | None = None, lengths_from: str | None = None,
+                   mean_len: float = 200.0, max_len: int = 1024) -> DataSpec:
+    return DataSpec(source="synthetic", batch_size=batch_size, num_rows=num_rows or 8 * batch_size,
+                    lengths_from=lengths_from, mean_len=mean_len, max_len=max_len)
+
+
+def _knobs(**kw) -> dict:
+    return SyntheticParams(**kw).model_dump(exclude_defaults=True)  # checked here, before anything starts
+
+
+def synthetic_grpo(batch_size: int = 16, n: int = 4, max_prompt_len: int = 256, max_response_len: int = 256,
+                   rollout_tp: int = 1, us_per_token: float = 0.0, data: DataSpec | None = None,
+                   response_len_mean: float | None = None, response_len_sigma: float = 0.6) -> DAG:
+    """The synthetic GRPO DAG: `batch_size` prompts per step, `n` responses each."""
+    sim = {"params": _knobs(us_per_token=us_per_token)}
+    roll = {"params": _knobs(n=n, max_prompt_len=max_prompt_len, max_response_len=max_response_len,
+                             response_len_mean=response_len_mean, response_len_sigma=response_len_sigma,
+                             us_per_token=us_per_token)}
+    extras = {"rollout": roll, "old_log_prob": sim, "ref_log_prob": sim, "actor_update": sim}
+    return grpo_shape(GRPO_FNS, data or synthetic_data(batch_size, max_len=max_prompt_len), rollout_tp, extras,
+                      name="synthetic-grpo")
+
+
+def synthetic_ppo(batch_size: int = 16, n: int = 1, max_prompt_len: int = 256, max_response_len: int = 256,
+                  rollout_tp: int = 1, us_per_token: float = 0.0, data: DataSpec | None = None) -> DAG:
+    sim = {"params": _knobs(us_per_token=us_per_token)}
+    roll = {"params": _knobs(n=n, max_prompt_len=max_prompt_len, max_response_len=max_response_len,
+                             us_per_token=us_per_token)}
+    extras = {"rollout": roll, "old_log_prob": sim, "ref_log_prob": sim, "values": sim, "critic_update": sim,
+              "actor_update": sim}
+    return ppo_shape(PPO_FNS, data or synthetic_data(batch_size, max_len=max_prompt_len), rollout_tp, extras,
+                     name="synthetic-ppo")

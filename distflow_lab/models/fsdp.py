@@ -1,0 +1,331 @@
+"""Training engine: a HF model, optionally FSDP2-sharded over a torch.distributed group.
+
+One class serves the actor (causal LM: log-probs, entropy), the critic
+(`*ForTokenClassification`, num_labels=1: values) and frozen models (optim=None:
+the reference policy). With torch.distributed not initialised, or use_fsdp=False,
+the module stays a plain local module and no collective runs.
+
+Gradient normalisation. Invariant: the update does not depend on how rows are grouped
+into micro-batches or spread over data-parallel ranks (up to float error). `loss_fn`
+returns a per-token loss L and mask m; each micro-batch backpropagates a SUM divided
+by a GLOBAL count, all-reduced once per step before the first forward:
+
+  token-mean           sum_{b,t} L*m               / global number of tokens in batch[mask_key]
+  seq-mean-token-mean  sum_b sum_t L*m / sum_t m   / global number of rows
+  seq-mean-token-sum   sum_{b,t} L*m               / global number of rows
+
+(= token_ops.aggregate_loss over the global batch: its loss_sum per micro-batch over one
+global loss_count). FSDP2's reduce-scatter is switched
+from AVERAGE to SUM (`set_gradient_divide_factor(1.0)` plus
+`set_force_sum_reduction_for_comms(True)` on every FSDP unit: on torch 2.13 + gloo the
+divide factor alone picks PREMUL_SUM, which gloo rejects), so summed per-rank
+contributions are exactly the global loss' gradient. A torch without that setter keeps
+averaging, and the engine multiplies each contribution by the dp world size instead.
+
+Lock-step: every forward/backward of a sharded model runs collectives, so all ranks
+must run the same number. The micro-batch count is all-reduced (MAX); ranks with fewer
+run dummy micro-batches: one row (their first, or an all-pad row if they have none)
+whose loss is multiplied by 0, adding nothing to the gradient.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from distflow_lab.core.config import Optim
+from distflow_lab.models.token_ops import (LOSS_AGG_MODES, entropy_from_logits, log_probs_from_logits, loss_count,
+                                           loss_sum)
+
+Tensor = torch.Tensor
+# loss_fn(micro, log_probs or None (critic), entropy or values or None) -> (loss [b,R], mask [b,R], metrics)
+LossFn = Callable[[dict[str, Tensor], Tensor | None, Tensor | None], tuple[Tensor, Tensor, dict[str, float]]]
+
+
+def micro_batches(attention_mask: Tensor, budget: int) -> list[Tensor]:
+    """Greedy, in row order: consecutive rows whose real-token total (attention_mask
+    sum) fits `budget`; a row longer than the budget is a micro-batch on its own.
+    Every row lands in exactly one micro-batch. Returns int64 index tensors."""
+    out: list[Tensor] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(attention_mask.sum(-1).tolist()):
+        if cur and used + n > budget:
+            out.append(torch.tensor(cur, dtype=torch.long))
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        out.append(torch.tensor(cur, dtype=torch.long))
+    return out
+
+
+def sft_loss_fn(micro: dict[str, Tensor], log_probs: Tensor | None, _: Tensor | None) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Supervised next-token loss on response tokens: L = -log p(token), mask = response_mask."""
+    return -log_probs, micro["response_mask"], {}
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+class TrainEngine:
+    """Forward (log-probs / values) and optimizer steps over a local batch, micro-batched.
+
+    Args:
+        model: HF causal LM (actor/ref) or `*ForTokenClassification` with num_labels=1 (critic).
+        optim: None for a frozen model (eval mode, no grads, no optimizer).
+        process_group: data-parallel group (default: the world group) when distributed.
+        micro_token_budget: max real tokens per micro-batch (see `micro_batches`).
+        use_fsdp: shard with FSDP2 when torch.distributed is initialised.
+        device: default cuda:$LOCAL_RANK if CUDA is available, else cpu.
+        temperature: logits are divided by it before log-probs/entropy (match the rollout's).
+        critic: force actor/critic mode; None = critic iff the class is *ForTokenClassification.
+        mixed_precision: FSDP2 param dtype (e.g. torch.bfloat16 on GPU); grads reduce in float32.
+        gradient_checkpointing: recompute activations in backward (HF, non-reentrant).
+    """
+
+    def __init__(self, model: torch.nn.Module, optim: Optim | None = None, process_group: dist.ProcessGroup | None = None,
+                 micro_token_budget: int = 4096, use_fsdp: bool = True, device: torch.device | str | None = None,
+                 temperature: float = 1.0, critic: bool | None = None, mixed_precision: torch.dtype | None = None,
+                 gradient_checkpointing: bool = False):
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.distributed = use_fsdp and dist.is_available() and dist.is_initialized()
+        self.group = (process_group or dist.group.WORLD) if self.distributed else None
+        self.world = dist.get_world_size(self.group) if self.distributed else 1
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+        self.budget, self.temperature, self.optim_cfg = micro_token_budget, temperature, optim
+        self.is_critic = type(model).__name__.endswith("ForTokenClassification") if critic is None else critic
+        trainable = optim is not None
+        model.to(self.device).requires_grad_(trainable).train(trainable)
+        if trainable and gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.grad_scale = 1.0  # multiplies each contribution; the world size if FSDP2 must average
+        if self.distributed:
+            self._shard(model, mixed_precision)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                           weight_decay=optim.weight_decay) if trainable else None
+
+    # ---------------------------------------------------------------- setup
+    def _shard(self, model: torch.nn.Module, mixed_precision: torch.dtype | None) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        mesh = DeviceMesh.from_group(self.group, self.device.type)
+        mp = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None)
+        # Decoder blocks are the HF "no split" classes; each becomes one all-gather unit.
+        block_names = set(getattr(model, "_no_split_modules", None) or [])
+        blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+        if not blocks:
+            raise ValueError(f"{type(model).__name__} lists no _no_split_modules: cannot find decoder blocks to shard")
+        for block in blocks:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # root: embeddings, final norm, (tied) head
+        fsdp_mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if all(hasattr(m, "set_force_sum_reduction_for_comms") for m in fsdp_mods):
+            for m in fsdp_mods:  # per FSDP unit: each holds its own reduce settings
+                m.set_gradient_divide_factor(1.0)
+                m.set_force_sum_reduction_for_comms(True)
+        else:
+            self.grad_scale = float(self.world)
+
+    def _all_reduce(self, t: Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+        if not self.distributed:
+            return t
+        t = t.to(self.device)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t.cpu()
+
+    def _plan(self, attention_mask: Tensor) -> list[Tensor | None]:
+        """Local micro-batches, padded with None (dummy) to the max count over ranks."""
+        mbs = micro_batches(attention_mask, self.budget) if attention_mask.shape[0] else []
+        n = int(self._all_reduce(torch.tensor([len(mbs)], dtype=torch.long), dist.ReduceOp.MAX)[0])
+        return mbs + [None] * (n - len(mbs))
+
+    def _micro(self, batch: dict[str, Tensor], idx: Tensor | None) -> dict[str, Tensor]:
+        """Rows `idx` of every tensor column on the device; None = a 1-row dummy."""
+        cols = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+        if idx is None and cols["input_ids"].shape[0] == 0:  # no local rows: an all-pad row (finite, weight 0)
+            mb = {k: v.new_zeros((1, *v.shape[1:])) for k, v in cols.items()}
+            mb["attention_mask"] = torch.ones_like(mb["attention_mask"])
+            return {k: v.to(self.device) for k, v in mb.items()}
+        idx = torch.tensor([0]) if idx is None else idx
+        return {k: v[idx].to(self.device) for k, v in cols.items()}
+
+    # ---------------------------------------------------------------- forward
+    def _forward_micro(self, mb: dict[str, Tensor], with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """(log_probs or values [b, R], entropy [b, R] | None), zero on response padding."""
+        ids, am, pos = mb["input_ids"], mb["attention_mask"], mb["position_ids"]
+        R = mb["responses"].shape[1]
+        P = ids.shape[1] - R
+        # Drop columns that are padding in every row (left of the prompts, right of the
+        # responses): pure speed, the kept positions see the same keys and position ids.
+        used = (am.sum(0) > 0).nonzero().flatten()
+        lo = min(int(used.min()), P - 1) if used.numel() else P - 1
+        hi = max(int(used.max()) + 1, P + 1) if used.numel() else P + 1
+        k = hi - P  # response positions kept
+        kw = dict(input_ids=ids[:, lo:hi], attention_mask=am[:, lo:hi], position_ids=pos[:, lo:hi], use_cache=False)
+        rmask = am[:, P:hi].bool()
+        if self.is_critic:
+            v = self.model(**kw).logits[..., 0].float()[:, P - 1 - lo : hi - 1 - lo]  # value of the state before token t
+            out, ent = torch.where(rmask, v, 0.0), None
+        else:
+            # logits_to_keep: only the last k+1 positions reach the LM head (the [V]-wide part);
+            # position P+t-1 predicts response token t, the very last position predicts nothing.
+            logits = self.model(**kw, logits_to_keep=k + 1).logits[:, :-1].float()
+            if self.temperature != 1.0:
+                logits = logits / self.temperature
+            out = torch.where(rmask, log_probs_from_logits(logits, mb["responses"][:, :k]), 0.0)
+            ent = torch.where(rmask, entropy_from_logits(logits), 0.0) if with_entropy else None
+        pad = lambda x: F.pad(x, (0, R - k)) if x is not None else None  # noqa: E731
+        return pad(out), pad(ent)
+
+    @torch.no_grad()
+    def _forward_all(self, batch: dict[str, Tensor], with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        out = torch.zeros(batch["responses"].shape)
+        ent = torch.zeros(batch["responses"].shape) if with_entropy else None
+        for idx in self._plan(batch["attention_mask"]):
+            o, e = self._forward_micro(self._micro(batch, idx), with_entropy)
+            if idx is None:
+                continue  # dummy: ran only to keep the FSDP collectives in lock-step
+            out[idx] = o.cpu()
+            if ent is not None:
+                ent[idx] = e.cpu()
+        return out, ent
+
+    def forward_log_probs(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, responses: Tensor,
+                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Log-probs [B, R] float32 (CPU) of the response tokens, and optionally their entropy;
+        0 on response padding. No grad. Collective under FSDP: every rank must call it."""
+        cols = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, responses=responses)
+        return self._forward_all(cols, with_entropy)
+
+    def forward_values(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, responses: Tensor) -> Tensor:
+        """Critic values [B, R] float32 (CPU): values[:, t] is read at input position P+t-1; 0 on padding."""
+        if not self.is_critic:
+            raise TypeError("forward_values needs a critic (*ForTokenClassification, num_labels=1)")
+        cols = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, responses=responses)
+        return self._forward_all(cols, False)[0]
+
+    # ---------------------------------------------------------------- training
+    def compute_grads(self, batch: dict[str, Tensor], loss_fn: LossFn, loss_agg_mode: str = "token-mean",
+                      with_entropy: bool = False, mask_key: str = "response_mask") -> dict[str, float]:
+        """Accumulate the global-batch loss gradient into .grad (no step, no zeroing).
+
+        loss_fn gets (micro columns on device, log_probs [b,R] with grad or None (critic),
+        entropy [b,R] / values [b,R] (critic) / None); its metric keys must not depend on the
+        data. The token-mean normaliser counts batch[mask_key]: tokens the loss_fn masks out
+        beyond it add 0 but still count. Returns all-reduced metrics: loss (the aggregated
+        global loss), n_tokens, n_micro, and loss_fn metrics weighted by mask tokens.
+        """
+        if loss_agg_mode not in LOSS_AGG_MODES or self.optimizer is None:
+            raise ValueError(f"bad loss_agg_mode {loss_agg_mode!r} or frozen engine (optim=None)")
+        local = torch.tensor([batch["input_ids"].shape[0], float(batch[mask_key].sum()),
+                              loss_count(batch[mask_key], loss_agg_mode)], dtype=torch.float64)
+        g_rows, g_tokens, g_count = self._all_reduce(local).tolist()
+        if g_rows == 0:
+            raise ValueError("empty global batch")
+        denom = max(g_count, 1.0)
+        plan = self._plan(batch["attention_mask"])
+        loss_sum, weight_sum, metric_sums = 0.0, 0.0, {}
+        for idx in plan:
+            w = 0.0 if idx is None else 1.0
+            mb = self._micro(batch, idx)
+            out, ent = self._forward_micro(mb, with_entropy)
+            lp, third = (None, out) if self.is_critic else (out, ent)
+            loss_mat, mask, metrics = loss_fn(mb, lp, third)
+            contrib = loss_sum(loss_mat, mask, loss_agg_mode) * (w / denom)
+            (contrib * self.grad_scale).backward()
+            loss_sum += float(contrib.detach())
+            k = float(mask.sum()) * w
+            weight_sum += k
+            for key, v in metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + float(v) * k
+        keys = sorted(metric_sums)
+        packed = self._all_reduce(torch.tensor([loss_sum, weight_sum, *[metric_sums[k] for k in keys]], dtype=torch.float64))
+        tot = max(float(packed[1]), 1e-12)
+        result = {"loss": float(packed[0]), "n_tokens": g_tokens, "n_micro": float(len(plan))}
+        result.update({k: float(packed[2 + i]) / tot for i, k in enumerate(keys)})
+        return result
+
+    def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, loss_agg_mode: str = "token-mean",
+                   with_entropy: bool = False, mask_key: str = "response_mask") -> dict[str, float]:
+        """One optimizer step over the local batch (collective under FSDP: all ranks call it).
+
+        zero grads -> `compute_grads` -> clip the global grad norm -> AdamW step (skipped,
+        with skipped=1, when the norm is not finite) -> zero grads. Metrics are python
+        floats, identical on every rank.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.compute_grads(batch, loss_fn, loss_agg_mode, with_entropy, mask_key)
+        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else math.inf
+        gn = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], clip)
+        gn = float(gn.full_tensor() if isinstance(gn, DTensor) else gn)  # DTensor under FSDP2
+        if finite := math.isfinite(gn):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics.update(grad_norm=gn, skipped=float(not finite), lr=self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    # ---------------------------------------------------------------- state
+    def gathered_grads(self) -> dict[str, Tensor]:
+        """Full (unsharded) gradients on CPU by parameter name; for tests and debugging."""
+        return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().cpu().clone()
+                for n, p in self.model.named_parameters() if p.grad is not None}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Full parameters/buffers (HF names) on CPU on EVERY rank, gathered one tensor at a
+        time; collective under FSDP. The input of `HFRollout/VLLMRollout.load_weights`."""
+        out: dict[str, Tensor] = {}
+        seen: dict[int, Tensor] = {}  # tied weights (embed/lm_head) gathered once
+        for name, t in self.model.state_dict().items():
+            if id(t) not in seen:
+                full = t.full_tensor() if isinstance(t, DTensor) else t
+                seen[id(t)] = full.detach().to("cpu", copy=True)
+            out[name] = seen[id(t)]
+        return out
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write full (unsharded) state dicts `model.pt` (+ `optim.pt`) from rank 0 with torch.save.
+
+        Gathered by torch.distributed.checkpoint.state_dict helpers (cpu_offload: only rank 0
+        holds them); FQN keys, plain tensors: torch.load(weights_only=True) reads them, any
+        world size can load them. Collective under FSDP.
+        """
+        directory = Path(directory)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        msd = get_model_state_dict(self.model, options=opts)
+        osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if self.optimizer else None
+        if self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            torch.save(msd, directory / "model.pt")
+            if osd is not None:
+                torch.save(osd, directory / "optim.pt")
+        if self.distributed:
+            dist.barrier(group=self.group)  # nobody reads the files before they exist
+        return directory
+
+    def load(self, directory: str | os.PathLike) -> None:
+        """Load a `save` checkpoint; every rank reads the files (shared filesystem), FSDP re-shards."""
+        directory, opts = Path(directory), StateDictOptions(full_state_dict=True)
+        read = lambda name: torch.load(directory / name, map_location="cpu", weights_only=True)  # noqa: E731
+        set_model_state_dict(self.model, read("model.pt"), options=opts)
+        if self.optimizer is not None and (directory / "optim.pt").is_file():
+            set_optimizer_state_dict(self.model, self.optimizer, read("optim.pt"), options=opts)

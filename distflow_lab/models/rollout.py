@@ -1,0 +1,25 @@
+"""Pick a rollout engine by name: "hf" (transformers generate, CPU or GPU) or
+"vllm" (GPU only; imported only when asked for)."""
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from distflow_lab.core.config import RolloutOptions
+from distflow_lab.models.rollout_hf import HFRollout
+
+
+def make_rollout(model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
+                 max_prompt_len: int, model_path: str | None = None, **engine_kwargs: Any):
+    """The engine `opts.engine` names: "hf" wraps `model`; "vllm" loads `model_path`
+    (a local HF checkpoint directory) into vLLM, with `engine_kwargs` for `vllm.LLM`."""
+    if opts.engine == "hf":
+        if model is None:
+            raise ValueError("the hf rollout needs a model object")
+        return HFRollout(model, tokenizer, opts, max_prompt_len)
+    if model_path is None:
+        raise ValueError("the vllm rollout needs model_path (a local HF checkpoint directory)")
+    from distflow_lab.models.rollout_vllm import VLLMRollout  # CUDA-only package: import on demand
+
+    return VLLMRollout(model_path, tokenizer, opts, max_prompt_len, **engine_kwargs)

@@ -1,0 +1,109 @@
+"""Rollout with HF `generate`: prompts in, verl-layout response columns out
+(the layout is described in `sequences.py`). The same HF model object serves
+training and rollout, so the log-probs a trainer recomputes with
+`TrainEngine.forward_log_probs` are those of the distribution sampled here
+(with temperature 1 and no top-k/top-p truncation).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from distflow_lab.core.config import RolloutOptions
+from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
+
+
+class HFRollout:
+    """Sampling with `model.generate`, in micro-batches, seeded per call.
+
+    Weight sync: when the rollout holds the trainer's own (unsharded) module object
+    (colocated, 1 rank) it always sees the latest weights and needs no copy. Otherwise
+    push `TrainEngine.full_state_dict()` through `load_weights` after each step.
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
+                 max_prompt_len: int):
+        self.model, self.tokenizer, self.cfg, self.max_prompt_len = model, tokenizer, opts, max_prompt_len
+        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        if self.eos_id is None or self.pad_id is None:
+            raise ValueError("tokenizer needs both an eos and a pad token")
+        c = self.cfg
+        sampling: dict[str, Any] = (
+            dict(do_sample=True, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
+            if c.do_sample else dict(do_sample=False)
+        )
+        # A bare config replaces the checkpoint's generation_config during generate, so no
+        # checkpoint default (repetition_penalty, min_p, top_k=20, ...) silently changes the
+        # sampling distribution away from the policy the trainer differentiates.
+        self.gen_config = GenerationConfig(
+            max_new_tokens=c.max_response_len, eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            bos_token_id=tokenizer.bos_token_id, repetition_penalty=1.0, use_cache=True,
+            return_dict_in_generate=True, output_logits=c.log_probs, **sampling,
+        )
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+        """Sample n responses per prompt; returns the verl columns (CPU tensors, see module doc).
+
+        The output depends only on (inputs, seed, cfg): the torch RNG is seeded inside a
+        forked RNG state, so the caller's global RNG is left untouched.
+        """
+        c, R = self.cfg, self.cfg.max_response_len
+        device = next(self.model.parameters()).device
+        prompts = prompt_ids.long().repeat_interleave(c.n, dim=0)
+        pmask = prompt_mask.long().repeat_interleave(c.n, dim=0)
+        responses = torch.full((prompts.shape[0], R), self.pad_id, dtype=torch.long)
+        valid = torch.zeros((prompts.shape[0], R), dtype=torch.bool)
+        logps = torch.zeros((prompts.shape[0], R), dtype=torch.float32) if c.log_probs else None
+        was_training = self.model.training
+        saved_cfg = self.model.generation_config
+        self.model.eval()
+        self.model.generation_config = self.gen_config
+        cuda_devices = [device] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=cuda_devices):
+                torch.manual_seed(seed)
+                for s in range(0, prompts.shape[0], c.micro_batch):
+                    ids = prompts[s : s + c.micro_batch].to(device)
+                    out = self.model.generate(
+                        input_ids=ids, attention_mask=pmask[s : s + c.micro_batch].to(device),
+                        generation_config=self.gen_config,
+                    )
+                    new = out.sequences[:, ids.shape[1]:].cpu()
+                    L = new.shape[1]
+                    responses[s : s + len(new), :L] = new
+                    valid[s : s + len(new), :L] = True
+                    if logps is not None:
+                        logits = torch.stack(out.logits, dim=1).float().cpu()  # [b, L, V], raw
+                        if c.do_sample and c.temperature != 1.0:
+                            logits = logits / c.temperature
+                        logps[s : s + len(new), :L] = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        finally:
+            self.model.generation_config = saved_cfg
+            self.model.train(was_training)
+        response_mask = response_mask_from_eos(responses, self.eos_id, valid)
+        responses = torch.where(response_mask.bool(), responses, self.pad_id)
+        cols = assemble_columns(prompts, pmask, responses, response_mask)
+        if logps is not None:
+            cols["rollout_log_probs"] = logps * response_mask
+        return cols
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy `state_dict` into the rollout model's parameters in place.
+
+        Strict: every name must match (missing or unexpected keys raise), shapes must
+        match; dtype/device are converted. Not needed when the rollout shares the
+        trainer's module object (colocated): it already holds the new weights.
+        """
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise KeyError(f"state_dict mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+        for name, t in own.items():
+            src = state_dict[name]
+            if src.shape != t.shape:
+                raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(t.shape)}")
+            t.copy_(src)

@@ -1,0 +1,103 @@
+"""What a stage function sees besides its batch: `fn(batch, ctx: StageContext)`."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+import torch
+
+from distflow_lab.core.spans import SpanRecorder
+
+if TYPE_CHECKING:
+    from distflow_lab.datasets.loader import ShardedLoader
+    from distflow_lab.graph.planner import Plan, Stage
+
+
+@dataclass(kw_only=True)
+class StageContext:
+    """One stage on one worker in one step. Built in one place (keyword-only)."""
+
+    step: int
+    stage: "Stage"
+    worker: int
+    world_size: int
+    seed: int
+    node: str = "local"
+    config: Any = None
+    engines: dict[str, Any] = field(default_factory=dict)
+    loader: "ShardedLoader | None" = None
+    recorder: SpanRecorder | None = None
+    groups: dict[str, Any] = field(default_factory=dict)  # stage id -> this worker's dp process group
+    dp_rank: int | None = None  # default: from the stage's layout and `worker`
+    metrics: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+    _rng: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.dp_rank is None:
+            self.dp_rank = self.stage.dp_rank(self.worker)
+
+    @property
+    def dp_size(self) -> int:
+        return self.stage.dp
+
+    @property
+    def group_rank(self) -> int:
+        return self.stage.group_rank(self.worker)
+
+    @property
+    def params(self) -> Mapping[str, Any]:
+        """The node's `params` (read-only): the stage function's own knobs."""
+        return MappingProxyType(self.stage.params)
+
+    @property
+    def process_group(self) -> Any:
+        """The torch.distributed group of this stage's layout that holds this worker:
+        the ranks with the same tensor-parallel rank (None without torch.distributed)."""
+        return self.groups.get(self.stage.id)
+
+    def span(self, phase: str, **counts):
+        """Time a part of this stage as its own span (e.g. "weight_sync")."""
+        if self.recorder is None:
+            return contextlib.nullcontext()
+        return self.recorder.span(self.step, self.stage.id, phase, **counts)
+
+    @property
+    def rng(self) -> torch.Generator:
+        """Seeded by (seed, step, stage, dp rank): the same rows see the same randomness in every mode."""
+        if self._rng is None:
+            self._rng = torch.Generator().manual_seed(self.seed)
+        return self._rng
+
+    def log(self, **metrics: float) -> None:
+        """Record metrics; the driver averages them over data-parallel ranks (weighted by rows)."""
+        self.metrics.update({k: float(v) for k, v in metrics.items()})
+
+    def count(self, **counts: float) -> None:
+        """Record counts (rows kept, items dropped, ...); the driver sums them over data-parallel ranks."""
+        for k, v in counts.items():
+            self.counts[k] = self.counts.get(k, 0.0) + float(v)
+
+
+def stage_seed(seed: int, step: int, stage: int, dp_rank: int) -> int:
+    return int(np.random.SeedSequence([seed, step, stage, dp_rank]).generate_state(1)[0])
+
+
+def stage_context(stage: "Stage", *, step: int, worker: int, world_size: int, session_seed: int,
+                  dp_rank: int | None = None, **fields: Any) -> StageContext:
+    """The context of `stage` on `worker` in `step`, its seed derived from the session's."""
+    dp = stage.dp_rank(worker) if dp_rank is None else dp_rank
+    return StageContext(step=step, stage=stage, worker=worker, world_size=world_size, dp_rank=dp,
+                        seed=stage_seed(session_seed, step, stage.index, dp), **fields)
+
+
+def local_context(plan: "Plan", stage: str, step: int = 0, dp_rank: int = 0, seed: int = 0, config: Any = None,
+                  engines: dict[str, Any] | None = None) -> StageContext:
+    """A context for calling a stage function by hand, outside Ray (tests, notebooks):
+    `fn(batch, local_context(dag.plan(4), "advantage"))`."""
+    st = plan.stage(stage)
+    return stage_context(st, step=step, worker=dp_rank * st.group_size, world_size=plan.world_size,
+                         session_seed=seed, dp_rank=dp_rank, config=config, engines=dict(engines or {}))

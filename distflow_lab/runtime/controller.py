@@ -1,0 +1,510 @@
+"""The controller: one per session, for every data plane.
+
+It owns the cursor (step, next stage), stage dispatch, turning remote failures
+into named errors, retry and rewind, checkpoints, spans and the ledger. It
+holds a data plane (`dataplane.interface.DataPlane`) and never asks which one:
+
+    step():  plane.begin_step
+             whole step on every worker (the driver moves no data), or stage by stage:
+                 args = plane.stage_args -> workers run the stage -> plane.stage_done
+             plane.end_step -> ledger, StepReport
+    failure: abort the step everywhere -> wait (bounded) for the workers to leave it
+             -> plane.reset_step + workers rewind -> retry once (a lost data-plane actor,
+             before any training stage), or raise the named error
+
+The driver keeps only metadata: step reports (timings, counts, metrics). It
+counts the pickled bytes of everything workers send it (`bytes_to_driver`), so a
+test can show which modes move payloads through it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from tqdm.auto import tqdm
+
+from distflow_lab.core.config import SessionConfig
+from distflow_lab.core.errors import (CheckpointError, PlaneLost, SessionBroken, StageError, StageTimeout,
+                                      WorkerLost)
+from distflow_lab.core.spans import spans_to_frame
+from distflow_lab.dataplane.interface import DataPlane, PlaneSetup
+from distflow_lab.datasets.loader import check_data_node
+from distflow_lab.graph.dag import DAG
+from distflow_lab.graph.planner import Plan, Stage
+from distflow_lab.runtime.context import stage_context
+from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
+from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
+from distflow_lab.runtime.worker import WorkerSetup
+
+SETUP_STAGES = 4  # engine set-up (model loading) may take this many stage timeouts
+
+
+class Controller:
+    def __init__(self, dag: DAG, config: SessionConfig, plane: DataPlane, engines: str | Callable | None = None,
+                 reuse: "Controller | None" = None) -> None:
+        self.config, self.dag, self.plane, self.engines = config, dag, plane, engines
+        self.plan: Plan = dag.plan(config.cluster.world_size)
+        self.mode = plane.mode
+        self.step_index, self.next_stage = 0, 0
+        self.history: deque[StepReport] = deque(maxlen=config.history_steps)
+        self.metric_rows: list[dict] = []
+        self.ledger_rows: list[dict] = []  # kept by the driver: they survive a data-plane actor's restart
+        self.retries: list[dict] = []  # steps re-run after a data-plane actor died
+        self.metadata_bytes = 0
+        self.broken: str | None = None  # why the workers cannot run another step (until resume())
+        self.last_checkpoint: Path | None = None
+        self.placement: Placement | None = None
+        self._current: list[StageReport] = []
+        self._step_t0 = 0.0
+        self._inflight: list = []  # the refs of the last gather, awaited (bounded) after a failure
+        first = self.plan.stages[0]
+        if first.type == "data_load":  # bad data fails here, before any worker starts
+            check_data_node(first.data, first.dp)
+        if not ray.is_initialized():
+            from distflow_lab.runtime.cluster import connect
+
+            connect()
+        self._start(reuse)
+
+    # ---- start and stop ------------------------------------------------------------
+    def _start(self, reuse: "Controller | None" = None) -> None:
+        c = self.config.cluster
+        if reuse is not None and reuse.can_hand_over(self.config):
+            self.placement, reuse.placement = reuse.placement, None  # the running processes: no start-up
+        else:
+            workers, nodes, pg = place_workers(c.world_size, c.cpus_per_worker, c.gpus_per_worker, c.placement)
+            self.placement = Placement(workers, nodes, pg)
+        try:
+            spec = self.plane.start(PlaneSetup(self.plan, self.config.switches, self.config.seed,
+                                               self.placement.worker_nodes, c.buffer_wait_timeout_s,
+                                               self.driver_context))
+            self._init_torch_distributed()
+            threads = c.threads_per_worker or default_threads(c.world_size)
+            setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.config.algo, self.engines,
+                                self.config.keep_outputs, threads)
+            self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
+                                            SETUP_STAGES * c.stage_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def can_hand_over(self, config: SessionConfig) -> bool:
+        """Same placement request and healthy workers: a new session can take them over."""
+        a, b = config.cluster, self.config.cluster
+        same = (a.world_size, a.cpus_per_worker, a.gpus_per_worker, a.placement, a.torch_distributed) == \
+               (b.world_size, b.cpus_per_worker, b.gpus_per_worker, b.placement, b.torch_distributed)
+        return same and self.placement is not None and not self.broken
+
+    def _init_torch_distributed(self) -> None:
+        c = self.config.cluster
+        if not c.torch_distributed:
+            return
+        backend = "nccl" if c.gpus_per_worker > 0 else "gloo"
+        nodes = self.placement.worker_nodes
+        addr = "127.0.0.1" if len(set(nodes)) == 1 else node_ip(nodes[0])
+        # collectives may wait for a peer that is one stage behind: allow more than a stage
+        timeout = 2 * c.stage_timeout_s + 60
+        self._gather([w.init_process_group.remote(addr, free_port(), backend, timeout) for w in self.workers], -1,
+                     "init_process_group", SETUP_STAGES * c.stage_timeout_s)
+
+    @property
+    def workers(self) -> list:
+        return self.placement.workers if self.placement else []
+
+    def close(self) -> None:
+        if self.placement is not None:
+            try:  # a graceful close frees engines and process groups; a hung or dead worker is just killed
+                ray.get([w.close.remote() for w in self.workers], timeout=10)
+            except Exception:  # dead or hung workers are killed below
+                pass
+            release(self.placement)
+            self.placement = None
+        self.plane.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the cursor ----------------------------------------------------------------------
+    def step_stage(self) -> StageReport:
+        """Run the next stage on every worker; return what happened."""
+        self._check_usable()
+        step = self.step_index
+        if self.next_stage == 0:
+            self._begin_step()
+        try:
+            report = self._run_stage(step, self.next_stage)
+        except StageError as e:
+            self._fail(step, e)
+            raise
+        self._current.append(report)
+        self.next_stage += 1
+        if self.next_stage == len(self.plan.stages):
+            self._finish_step()
+        return report
+
+    def step(self) -> StepReport:
+        """Finish the current step (all of it, or what is left after step_stage calls)."""
+        self._check_usable()
+        if self.next_stage:
+            while self.next_stage:
+                self.step_stage()
+            return self.history[-1]
+        step = self.step_index
+        self._begin_step()
+        try:
+            self._current = self._run_step_or_retry(step)
+        except StageError as e:
+            self._fail(step, e)
+            raise
+        self.next_stage = len(self.plan.stages)
+        return self._finish_step()
+
+    def run(self, steps: int, progress: bool = True) -> list[StepReport]:
+        out = []
+        bar = tqdm(range(steps), desc=f"{self.mode} steps", disable=not progress, leave=False)
+        for _ in bar:
+            out.append(self.step())
+            bar.set_postfix({k: round(v, 4) for k, v in list(out[-1].metrics.items())[:4]})
+        bar.close()
+        return out
+
+    def _begin_step(self) -> None:
+        self._current, self._step_t0 = [], time.time()
+        self.plane.begin_step(self.step_index)
+
+    def _finish_step(self) -> StepReport:
+        step = self.step_index
+        end = self.plane.end_step(step)
+        self.ledger_rows.extend(end.ledger)
+        report = StepReport(step, self.mode, self._current, time.time() - self._step_t0, end.seconds)
+        self.history.append(report)
+        self.metric_rows.append({"step": step, "wall_s": report.wall_seconds, **report.metrics})
+        self.step_index, self.next_stage, self._current = step + 1, 0, []
+        return report
+
+    # ---- dispatch ------------------------------------------------------------------------
+    def _timeout(self, stage: Stage) -> float:
+        return stage.timeout_s or self.config.cluster.stage_timeout_s
+
+    def _run_stage(self, step: int, index: int) -> StageReport:
+        st = self.plan.stages[index]
+        t0 = time.perf_counter()
+        driver_spans = self.plane.run_on_driver(step, st)
+        if driver_spans is not None:  # the driver ran it (centralized data loading)
+            return StageReport(step, index, st.id, self.mode, [], driver_spans, time.perf_counter() - t0)
+        args = self.plane.stage_args(step, st, len(self.workers))
+        answers = self._gather([w.run_stage.remote(step, index, a) for w, a in zip(self.workers, args)], step,
+                               st.id, self._timeout(st))
+        driver_spans = self.plane.stage_done(step, st, [h for _, h in answers])
+        return StageReport(step, index, st.id, self.mode, [r for r, _ in answers], driver_spans,
+                           time.perf_counter() - t0)
+
+    def _run_step(self, step: int) -> list[StageReport]:
+        if self.plane.driver_moves_data:
+            return [self._run_stage(step, i) for i in range(len(self.plan.stages))]
+        limit = sum(self._timeout(st) for st in self.plan.stages)
+        try:
+            per_worker = self._gather([w.run_step.remote(step) for w in self.workers], step, "(whole step)", limit)
+        except StageError as e:
+            if e.stage != "(whole step)":
+                raise
+            where = self.plane.where(e.worker) or "(whole step)"  # the stage the worker had reached
+            raise type(e)(e.summary.replace("'(whole step)'", repr(where)), step=step, stage=where,
+                          worker=e.worker, remote_traceback=e.remote_traceback) from None
+        reports = []
+        for i, st in enumerate(self.plan.stages):
+            results = [rs[i] for rs in per_worker]
+            spans = [s for r in results for s in r.spans]
+            wall = max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
+            reports.append(StageReport(step, i, st.id, self.mode, results, wall_seconds=wall))
+        return reports
+
+    def _run_step_or_retry(self, step: int) -> list[StageReport]:
+        """A data-plane actor lost mid-step: the step runs again once, from its start,
+        if no training stage could have changed a model yet."""
+        try:
+            return self._run_step(step)
+        except PlaneLost as e:
+            if not self._retryable(step, e):
+                raise
+            if not self._recover(step):
+                raise
+            self.retries.append({"step": step, "stage": e.stage, "worker": e.worker, "reason": e.summary})
+            self._begin_step()
+            return self._run_step(step)
+
+    def _retryable(self, step: int, err: PlaneLost) -> bool:
+        train = [s.index for s in self.plan.stages if s.type == "train"]
+        try:
+            failed = self.plan.stage(err.stage).index
+        except KeyError:
+            return False
+        return not any(r["step"] == step for r in self.retries) and (not train or failed < min(train))
+
+    # ---- waiting and failures --------------------------------------------------------------
+    def _gather(self, refs: list, step: int, stage: str, limit_s: float) -> list:
+        """Wait for every ref within `limit_s`; on the first failure abort the step
+        everywhere and raise an error naming stage, worker and step."""
+        index = {r: i for i, r in enumerate(refs)}
+        self._inflight = list(refs)
+        pending, deadline = list(refs), time.monotonic() + limit_s
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = sorted(index[r] for r in pending)
+                self._abort(step, f"stage {stage!r} timed out on workers {late}")
+                raise StageTimeout(f"stage {stage!r} of step {step} did not finish within {limit_s:.0f}s on workers "
+                                   f"{late} (the node's timeout_s, or cluster.stage_timeout_s)", step=step,
+                                   stage=stage, worker=late[0])
+            self._check(ready[0], step, stage, index[ready[0]])
+        out = ray.get(refs, timeout=60)
+        self.metadata_bytes += sum(len(pickle.dumps(o)) for o in out)
+        return out
+
+    def _check(self, ref, step: int, stage: str, worker: int) -> None:
+        try:
+            ray.get(ref, timeout=0)
+        except GetTimeoutError:
+            return
+        except RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
+            self._abort(step, f"stage {stage!r} failed on worker {worker}")
+            if isinstance(cause, StageError):  # keep the subclass (BufferLost, StageContractError, ...)
+                raise type(cause)(cause.summary, step=cause.step, stage=cause.stage, worker=cause.worker,
+                                  remote_traceback=cause.remote_traceback) from None
+            raise StageError(f"stage {stage!r} failed on worker {worker} (step {step}): "
+                             f"{type(cause or e).__name__}: {cause or e}", step=step, stage=stage, worker=worker,
+                             remote_traceback=str(e)) from None
+        except RayError as e:  # the actor died (RayActorError) or is unreachable (ActorUnavailableError)
+            self._abort(step, f"worker {worker} died during stage {stage!r}")
+            raise WorkerLost(f"worker {worker} died during stage {stage!r} of step {step}: {type(e).__name__}",
+                             step=step, stage=stage, worker=worker, remote_traceback=str(e)) from None
+
+    def _abort(self, step: int, reason: str) -> None:
+        """Unblock workers waiting on this step inside the data plane."""
+        try:
+            self.plane.abort(step, reason)
+        except RayError:  # an actor that is gone has no waiters
+            pass
+
+    def _settle(self) -> bool:
+        """Wait (bounded) until every worker has left the failed call; False if some are
+        stuck (e.g. in a collective with a failed peer) or dead."""
+        inflight = self._inflight
+        if not inflight:
+            return True
+        done, pending = ray.wait(inflight, num_returns=len(inflight),
+                                 timeout=min(60.0, self.config.cluster.stage_timeout_s))
+        dead = False
+        for r in done:
+            try:
+                ray.get(r, timeout=0)
+            except RayActorError:
+                dead = True
+            except RayError:  # the failure itself, already reported
+                pass
+        return not pending and not dead
+
+    def _recover(self, step: int) -> bool:
+        """Make `step` runnable again: every worker out of it, the data plane's state of
+        it gone, every loader back at its start. False if that is not possible."""
+        if not self._settle():
+            return False
+        try:
+            self.ledger_rows.extend(self.plane.reset_step(step))
+            ray.get([w.rewind.remote() for w in self.workers], timeout=30)
+        except (PlaneLost, RayError):
+            return False
+        return True
+
+    def _fail(self, step: int, err: StageError) -> None:
+        """After a failed step: the same step runs again on the next call, or (if the
+        workers cannot) the session is broken until resume()."""
+        self._current, self.next_stage = [], 0
+        if not self._recover(step):
+            self.broken = (f"step {step} failed ({type(err).__name__}) and some workers or data-plane actors are "
+                           "dead or still busy in it: call resume() to restart them from the last checkpoint")
+
+    def _check_usable(self) -> None:
+        if self.broken:
+            raise SessionBroken(self.broken)
+        if self.placement is None:
+            raise SessionBroken("this session is closed")
+
+    # ---- inspection ----------------------------------------------------------------------
+    @property
+    def bytes_to_driver(self) -> int:
+        """Pickled bytes of every worker answer, plus payload bytes the data plane collected on the driver."""
+        return self.metadata_bytes + self.plane.bytes_to_driver
+
+    @property
+    def spans(self) -> pd.DataFrame:
+        frames = [r.spans for r in self.history] + [s.spans for s in self._current]
+        return pd.concat(frames, ignore_index=True) if frames else spans_to_frame([])
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        return pd.DataFrame(self.metric_rows)
+
+    def ledger(self) -> pd.DataFrame:
+        """Items in and out of the data plane per (step, edge): nothing lost, nothing duplicated.
+        Collected by the driver at every step end, so it survives an actor restart."""
+        if not self.ledger_rows:
+            return pd.DataFrame(columns=["step", "edge", *LEDGER_COLUMNS])
+        return pd.DataFrame(self.ledger_rows).groupby(["step", "edge"], as_index=False)[list(LEDGER_COLUMNS)].sum()
+
+    def peek(self, stage: str, worker: int = 0, n: int = 4, columns: list[str] | None = None):
+        """The first `n` rows of `stage`'s latest output on `worker` (only those rows travel)."""
+        self.plan.stage(stage)
+        out = ray.get(self.workers[worker].peek.remote(stage, n, columns), timeout=60)
+        if out is None:
+            raise KeyError(f"worker {worker} holds no output of stage {stage!r} yet (run it first; "
+                           "keep_outputs must be on)")
+        return out
+
+    def samples(self, stage: str, worker: int = 0, n: int = 4) -> list[dict]:
+        self.plan.stage(stage)
+        return ray.get(self.workers[worker].samples.remote(stage, n), timeout=60)
+
+    def redistribution_lengths(self) -> dict[str, tuple[np.ndarray, int]]:
+        """For each redistribute edge: the token length of every item its producers
+        emitted in the latest step (global order) and the consumers' dp size."""
+        out = {}
+        for e in self.plan.edges:
+            if e.kind != "redistribute":
+                continue
+            src, dst = self.plan.stages[e.src], self.plan.stages[e.dst]
+            writers = [w for w in range(len(self.workers)) if src.group_rank(w) == 0]
+            parts = ray.get([self.workers[w].lengths.remote(src.id) for w in writers], timeout=60)
+            if all(p is not None for p in parts):
+                out[e.name] = (np.concatenate(parts), dst.dp)
+        return out
+
+    def driver_context(self, step: int, stage: Stage, dp_rank: int, loader: Any) -> Any:
+        """The context the driver runs a stage with (centralized data loading)."""
+        return stage_context(stage, step=step, worker=dp_rank * stage.group_size, world_size=len(self.workers),
+                             session_seed=self.config.seed, dp_rank=dp_rank, config=self.config.algo, loader=loader)
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        """What a checkpoint must match to be loaded into this session."""
+        algo = self.config.algo
+        fp = {"dag": self.dag.name, "stages": [s.id for s in self.plan.stages],
+              "world_size": self.config.cluster.world_size, "seed": self.config.seed}
+        if hasattr(algo, "model"):
+            fp.update(algorithm=algo.algorithm.name, data=algo.data.train)
+        return fp
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Trainable engines, optimizer state, loader positions and the step, between steps.
+        Atomic: written to a temporary folder, checksummed in manifest.json, then renamed;
+        a write killed halfway never leaves a folder that loads."""
+        if self.next_stage != 0:
+            raise RuntimeError(f"checkpoint between steps only: step {self.step_index} is at stage "
+                               f"{self.next_stage}; call step() to finish it first")
+        d = Path(directory)
+        tmp = d.with_name(f".{d.name}.partial-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._gather([w.save_checkpoint.remote(str(tmp)) for w in self.workers], self.step_index, "save_checkpoint",
+                     SETUP_STAGES * self.config.cluster.stage_timeout_s)
+        self.plane.save(tmp)
+        (tmp / "state.json").write_text(json.dumps({"next_step": self.step_index, "mode": self.mode,
+                                                    "fingerprint": self.fingerprint()}, indent=1))
+        write_manifest(tmp)
+        if d.exists():
+            old = d.with_name(f".{d.name}.old-{os.getpid()}")
+            d.rename(old)
+            tmp.rename(d)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(d)
+        self.last_checkpoint = d
+        return d
+
+    def load_checkpoint(self, directory: str | Path) -> int:
+        """Restore a checkpoint of this configuration; the next step() continues after it."""
+        d = Path(directory)
+        verify_checkpoint(d)
+        state = json.loads((d / "state.json").read_text())
+        mine = self.fingerprint()
+        diff = {k: (state["fingerprint"].get(k), v) for k, v in mine.items() if state["fingerprint"].get(k) != v}
+        if diff:
+            raise CheckpointError(f"checkpoint {d} is from another configuration: "
+                                  + "; ".join(f"{k}: checkpoint {a!r} vs session {b!r}" for k, (a, b) in diff.items()))
+        self._gather([w.load_checkpoint.remote(str(d)) for w in self.workers], state["next_step"], "load_checkpoint",
+                     SETUP_STAGES * self.config.cluster.stage_timeout_s)
+        self.plane.load(d)
+        self.step_index, self.next_stage = state["next_step"], 0
+        self.last_checkpoint = d
+        return self.step_index
+
+    def resume(self, directory: str | Path | None = None) -> int:
+        """After a failure (a worker died, a stage timed out): restart every worker and
+        data-plane actor, then load `directory` or the last checkpoint this session saved
+        or loaded. The next step() continues after it."""
+        ckpt = Path(directory) if directory else self.last_checkpoint
+        if ckpt is None:
+            raise CheckpointError("no checkpoint to resume from: call save_checkpoint() during the run "
+                                  "(or trainer.checkpoint_every), or pass a directory")
+        self.close()
+        self._current, self.next_stage, self.broken = [], 0, None
+        self._start()
+        return self.load_checkpoint(ckpt)
+
+
+# ---- checkpoint files ----------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != "manifest.json")
+    manifest = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (directory / "manifest.json").write_text(json.dumps({"files": manifest}, indent=1))
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """A complete checkpoint: state.json and every file of manifest.json, with its checksum."""
+    if not (directory / "state.json").is_file():
+        raise CheckpointError(f"{directory} is not a distflow_lab checkpoint (no state.json)")
+    if not (directory / "manifest.json").is_file():
+        raise CheckpointError(f"{directory} is incomplete: no manifest.json (its write did not finish)")
+    files = json.loads((directory / "manifest.json").read_text())["files"]
+    for name, meta in files.items():
+        p = directory / name
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {directory} is missing {name}")
+        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint {directory}: {name} does not match its checksum (corrupt)")
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root` (folders step*), skipping broken ones."""
+    for d in sorted(Path(root).glob("step*"), reverse=True):
+        try:
+            verify_checkpoint(d)
+            return d
+        except CheckpointError:
+            continue
+    return None

@@ -1,0 +1,60 @@
+"""Fault injection: kill a real DAG-worker process or a DataBuffer actor at a
+chosen step and stage, from a test or a notebook.
+
+    from distflow_lab.runtime import faults
+    faults.inject(session, "worker", 1, step=3, stage="old_log_prob")  # worker 1 exits mid-stage
+    faults.inject(session, "buffer", 0, step=2, stage="old_log_prob")  # buffer 0 killed (Ray restarts it)
+    faults.kill_worker(session, 2)                                      # right now
+
+The worker process really dies (os._exit), and the buffer actor is really
+killed (ray.kill): what the driver sees is what a crash on a cluster looks like.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from distflow_lab.runtime.controller import Controller
+
+ACTOR_TARGETS = {"buffer": "distributed", "coordinator": "coordinator"}
+
+
+def _controller(session: Any) -> Controller:
+    """A Session holds its controller; a Controller is one."""
+    return session if isinstance(session, Controller) else session.controller
+
+
+def inject(session: Any, target: str, index: int, step: int, stage: str, by_worker: int | None = None,
+           skip: int = 0) -> None:
+    """Plan a fault: when step `step` reaches stage `stage`, kill worker `index`
+    (target="worker": it exits mid-stage), or DataBuffer `index` (target="buffer") or
+    the coordinator (target="coordinator", index 0), killed by worker `by_worker`
+    (default 0) as the stage starts. `skip=n` lets the first n occurrences pass
+    (e.g. strike again when the step is retried)."""
+    c = _controller(session)
+    c.plan.stage(stage)
+    if target == "worker":
+        fault = {"step": step, "stage": stage, "action": "exit", "skip": skip}
+        w = index
+    elif target in ACTOR_TARGETS:
+        actors = c.plane.actors()
+        if c.mode != ACTOR_TARGETS[target]:
+            raise ValueError(f"a {target} exists only in mode {ACTOR_TARGETS[target]!r}; this session is {c.mode!r}")
+        if not 0 <= index < len(actors):
+            raise ValueError(f"no {target} {index}; the session has {len(actors)}")
+        fault = {"step": step, "stage": stage, "action": "kill_actor", "actor": index, "skip": skip}
+        w = 0 if by_worker is None else by_worker
+    else:
+        raise ValueError(f"target must be 'worker', 'buffer' or 'coordinator', got {target!r}")
+    ray.get(c.workers[w].add_faults.remote([fault]), timeout=30)
+
+
+def kill_worker(session: Any, index: int) -> None:
+    """Kill DAG worker `index` now (no restart)."""
+    ray.kill(_controller(session).workers[index], no_restart=True)
+
+
+def kill_plane_actor(session: Any, index: int = 0) -> None:
+    """Kill data-plane actor `index` (a DataBuffer, or the coordinator) now; Ray restarts it, empty."""
+    ray.kill(_controller(session).plane.actors()[index], no_restart=False)

@@ -1,0 +1,150 @@
+"""What the driver receives: metadata only (timings, counts, metrics).
+
+`StageResult` is one worker's account of one stage; `StageReport` gathers all
+workers' results for a stage (plus the driver's own spans in centralized mode);
+`StepReport` a whole step. All have rich notebook reprs.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from distflow_lab.core.spans import DRIVER, Span, spans_to_frame
+
+# Item counts per (step, edge) that every data plane reports: what went in, what came out.
+LEDGER_COLUMNS = ("items_reported", "items_in", "items_out", "pieces_in", "pieces_out")
+
+
+@dataclass
+class StageResult:
+    step: int
+    stage: int
+    stage_id: str
+    worker: int
+    dp_rank: int
+    group_rank: int
+    items_in: int
+    items_out: int
+    tokens_out: int
+    bytes_in: int
+    bytes_out: int
+    route_in: str  # "loader", "cache", "buffer", "driver", "none"
+    cache_hit: bool | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    spans: list[Span] = field(default_factory=list)
+    seconds: float = 0.0
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:
+    """Over data-parallel ranks (group rank 0 of each group): `ctx.log` metrics are
+    averaged weighted by each rank's output rows (a rank that produced nothing does
+    not count; equal rows give the plain mean), `ctx.count` counts are summed."""
+    by_name: dict[str, list[tuple[float, float]]] = {}
+    sums: dict[str, float] = {}
+    for r in results:
+        if r.group_rank != 0:
+            continue
+        for k, v in r.metrics.items():
+            by_name.setdefault(k, []).append((float(v), float(r.items_out)))
+        for k, v in r.counts.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    out = {}
+    for k, pairs in by_name.items():
+        values, weights = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
+        out[k] = float(np.average(values, weights=weights)) if weights.sum() > 0 else float(values.mean())
+    return {**out, **sums}
+
+
+@dataclass
+class StageReport:
+    step: int
+    stage: int
+    stage_id: str
+    mode: str
+    results: list[StageResult]
+    driver_spans: list[Span] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return aggregate_metrics(self.results)
+
+    @property
+    def spans(self) -> pd.DataFrame:
+        return spans_to_frame([s for r in self.results for s in r.spans] + self.driver_spans)
+
+    def per_worker(self) -> pd.DataFrame:
+        """Seconds per phase for each worker (and the driver), with bytes, items, tokens."""
+        df = self.spans
+        if not len(df):
+            return pd.DataFrame()
+        t = df.pivot_table(index="worker", columns="phase", values="seconds", aggfunc="sum", fill_value=0.0)
+        info = pd.DataFrame([{
+            "worker": r.worker, "dp_rank": r.dp_rank, "route_in": r.route_in, "hit": r.cache_hit,
+            "items_in": r.items_in, "items_out": r.items_out, "tokens_out": r.tokens_out,
+            "bytes_in": r.bytes_in, "bytes_out": r.bytes_out,
+        } for r in self.results]).set_index("worker")
+        out = info.join(t, how="outer")
+        out.index = ["driver" if i == DRIVER else f"w{i}" for i in out.index]
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        hits = [r.cache_hit for r in self.results if r.cache_hit is not None]
+        return {
+            "step": self.step, "stage": self.stage_id, "mode": self.mode, "wall_s": round(self.wall_seconds, 4),
+            "items": sum(r.items_out for r in self.results if r.group_rank == 0),
+            "tokens": sum(r.tokens_out for r in self.results if r.group_rank == 0),
+            "bytes_moved": sum(r.bytes_in for r in self.results if r.route_in in ("buffer", "driver")),
+            "cache_hits": sum(hits), "cache_misses": len(hits) - sum(hits),
+        }
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (f"StageReport(step={s['step']}, stage={s['stage']!r}, mode={s['mode']}, wall={s['wall_s']}s, "
+                f"items={s['items']}, bytes_moved={s['bytes_moved']}, hits={s['cache_hits']}, "
+                f"misses={s['cache_misses']}, metrics={self.metrics})")
+
+    def _repr_html_(self) -> str:
+        s = self.summary()
+        head = (f"<b>stage {html.escape(s['stage'])}</b> · step {s['step']} · {s['mode']} · "
+                f"{s['wall_s']:.3f} s · {s['items']} items · {s['tokens']} tokens · "
+                f"{s['bytes_moved'] / 2**20:.1f} MiB moved · cache {s['cache_hits']} hit / {s['cache_misses']} miss")
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
+        table = self.per_worker().round(4).to_html() if self.results else ""
+        return head + (f"<br><small>{html.escape(metrics)}</small>" if metrics else "") + table
+
+
+@dataclass
+class StepReport:
+    step: int
+    mode: str
+    stages: list[StageReport]
+    wall_seconds: float
+    end_step_seconds: float = 0.0
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.stages:
+            out.update(s.metrics)
+        return out
+
+    @property
+    def spans(self) -> pd.DataFrame:
+        return pd.concat([s.spans for s in self.stages], ignore_index=True) if self.stages else spans_to_frame([])
+
+    def table(self) -> pd.DataFrame:
+        return pd.DataFrame([s.summary() for s in self.stages])
+
+    def __repr__(self) -> str:
+        return f"StepReport(step={self.step}, mode={self.mode}, wall={self.wall_seconds:.3f}s, metrics={self.metrics})"
+
+    def _repr_html_(self) -> str:
+        metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
+        return (f"<b>step {self.step}</b> · {self.mode} · {self.wall_seconds:.3f} s"
+                f"<br><small>{html.escape(metrics)}</small>" + self.table().to_html(index=False))

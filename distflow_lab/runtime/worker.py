@@ -1,0 +1,308 @@
+"""DAG worker (paper §5.2): one per device slot. It binds every stage of the
+plan to its function, owns its engines and its loader shard, and runs the task
+chain. A stage is always the same three moves:
+
+    batch = port.fetch(...)      # local cache, DataBuffer, coordinator or the driver's chunk
+    out = fn(batch, ctx)         # the stage function
+    port.publish(..., out)       # local cache, DataBuffer, coordinator or back to the driver
+
+`port` is the worker half of the session's data plane; the worker never asks
+which one it is. The class is plain Python; the controller wraps it with
+`ray.remote`.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import ray
+import torch
+
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.errors import StageContractError, StageError
+from distflow_lab.core.spans import SpanRecorder
+from distflow_lab.dataplane.interface import WorkerPort, WorkerSpec
+from distflow_lab.dataplane.routing import item_lengths
+from distflow_lab.datasets.loader import ShardedLoader, make_loader
+from distflow_lab.graph.nodes import call_stage, resolve_function
+from distflow_lab.graph.planner import Plan, Stage
+from distflow_lab.runtime.context import StageContext, stage_context
+from distflow_lab.runtime.results import StageResult
+from distflow_lab.runtime.samples import sample_rows
+
+
+@dataclass
+class WorkerSetup:
+    """Everything a worker needs, sent once by the driver."""
+
+    plan: Plan
+    mode: str
+    seed: int
+    plane: WorkerSpec  # the worker half of the data plane, bound on the worker
+    config: Any = None  # the run config, visible to stages as ctx.config
+    engines: str | Callable | None = None  # factory(ctx, config) -> dict of engines
+    keep_outputs: bool = True  # keep each stage's output of the latest step (for peek)
+    threads: int = 1
+
+
+class DAGWorker:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        try:
+            self.node = ray.get_runtime_context().get_node_id()[:8]
+        except Exception:  # not inside Ray (unit tests)
+            self.node = "local"
+        self.rec = SpanRecorder(rank, self.node)
+        self.port: WorkerPort | None = None
+        self.outputs: dict[str, Batch] = {}
+        self.engines: dict[str, Any] = {}
+        self.loader: ShardedLoader | None = None
+        self.groups: dict[str, Any] = {}
+        self.faults: list[dict] = []
+        self._loader_at_step_start: dict | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------
+    def setup(self, s: WorkerSetup) -> dict:
+        """(Re)configure this worker for a plan. Called again when a session reuses the
+        workers for another DAG, mode or switches: everything of the last plan goes."""
+        self._reset()
+        self.s, self.plan = s, s.plan
+        self.rec.mode = s.mode
+        torch.set_num_threads(max(1, s.threads))
+        self.fns = [resolve_function(st.fn, node=st.id) for st in self.plan.stages]
+        self.groups = self._layout_groups()
+        self.port = s.plane.bind(self.rank, self.rec)
+        first = self.plan.stages[0]
+        if first.type == "data_load" and s.plane.loads_data:
+            self.loader = make_loader(first.data, first.dp_rank(self.rank), first.dp, s.seed)
+        if s.engines is not None:
+            self.engines = resolve_function(s.engines, node="engines")(self._ctx(0, first), s.config) or {}
+        gc.collect()
+        gc.freeze()  # start-up objects (torch, Ray) leave the GC's view: later collections stay short
+        return {"rank": self.rank, "node": self.node, "pid": os.getpid(),
+                "loader": self.loader.report.__dict__ if self.loader else None}
+
+    def _layout_groups(self) -> dict[str, Any]:
+        """One process group per stage layout (collective: every worker creates every
+        group in the same order); each stage gets the group that holds this worker."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return {}
+        made: dict[tuple[int, int], Any] = {}
+        for st in self.plan.stages:
+            key = (st.dp, st.group_size)
+            if key not in made:
+                for g in range(st.group_size):
+                    group = dist.new_group([d * st.group_size + g for d in range(st.dp)])
+                    if st.group_rank(self.rank) == g:
+                        made[key] = group
+        return {st.id: made[(st.dp, st.group_size)] for st in self.plan.stages}
+
+    def _reset(self) -> None:
+        self._clear_step()
+        for e in self.engines.values():
+            if hasattr(e, "close"):
+                e.close()
+        self.engines, self.loader, self.faults = {}, None, []
+        self._loader_at_step_start = None  # a reused worker must not restore the last plan's loader
+        self.rec.take()
+
+    def init_process_group(self, master_addr: str, port: int, backend: str = "gloo",
+                           timeout_s: float = 300.0) -> bool:
+        import datetime
+
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port),
+                          RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
+        if not dist.is_initialized():  # a bounded timeout: a dead peer must not hang collectives forever
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return True
+
+    def close(self) -> None:
+        self._reset()
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # a broken group cannot be destroyed cleanly; the process ends anyway
+            pass
+
+    # ---- running -------------------------------------------------------------------
+    def run_step(self, step: int) -> list[StageResult]:
+        """Every stage of `step`, back to back (data planes where the driver moves no data)."""
+        results = []
+        for i, st in enumerate(self.plan.stages):
+            self.port.note_progress(step, st.id)  # read only to name the stage of a failure
+            results.append(self.run_stage(step, i)[0])
+        return results
+
+    def run_stage(self, step: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
+        """One stage: fetch, compute, publish. Returns this worker's account and the
+        data plane's handoff to the driver (None unless the driver moves the data)."""
+        st = self.plan.stages[index]
+        t0 = time.perf_counter()
+        if index == 0:
+            self._start_step(step)
+        self._maybe_fault(step, st, "kill_actor")  # before the input: the fetch meets the dead actor
+        edge_in, edge_out = self.plan.edge_into(index), self.plan.edge_out_of(index)
+        got = self.port.fetch(step, st, edge_in, self.plan.stages[edge_in.src] if edge_in else None, arg)
+        self._maybe_fault(step, st, "exit")  # mid-stage: input fetched, compute not done
+        out, ctx = self._compute(step, st, got.batch)
+        handoff = self.port.publish(step, st, edge_out, self.plan.stages[edge_out.dst] if edge_out else None,
+                                    out, got.batch)
+        moved = got.route not in ("cache", "loader", "none")
+        result = StageResult(step, st.index, st.id, self.rank, ctx.dp_rank, ctx.group_rank, len(got.batch), len(out),
+                             int(item_lengths(out).sum()) if len(out) else 0, got.batch.nbytes if moved else 0,
+                             out.nbytes, got.route, got.cache_hit, dict(ctx.metrics), self.rec.take(),
+                             time.perf_counter() - t0, dict(ctx.counts))
+        return result, handoff
+
+    def _compute(self, step: int, st: Stage, batch: Batch) -> tuple[Batch, StageContext]:
+        ctx = self._ctx(step, st)
+        with self.rec.span(step, st.id, "compute", items=len(batch)) as sp:
+            try:
+                out = call_stage(self.fns[st.index], batch, ctx)
+            except Exception as e:
+                raise StageError(f"stage {st.id!r} raised {type(e).__name__}: {e} (worker {self.rank}, step {step})",
+                                 step=step, stage=st.id, worker=self.rank,
+                                 remote_traceback=traceback.format_exc()) from None
+            if not isinstance(out, Batch):
+                raise StageError(f"stage {st.id!r} returned {type(out).__name__}, expected a Batch "
+                                 f"(worker {self.rank}, step {step})", step=step, stage=st.id, worker=self.rank)
+            sp.tokens = int(item_lengths(out).sum()) if len(out) else 0
+        self._check_contract(step, st, batch, out)
+        if self.s.keep_outputs:
+            self.outputs[st.id] = out
+        return out, ctx
+
+    def _check_contract(self, step: int, st: Stage, batch: Batch, out: Batch) -> None:
+        """A node may declare `contract.outputs` (columns that must exist after it) and
+        `contract.rows: same` (it keeps the row count); break either and the error names it."""
+        missing = [c for c in st.contract.outputs if c not in out]
+        if missing:
+            raise StageContractError(f"stage {st.id!r} did not produce column(s) {missing} (worker {self.rank}, "
+                                     f"step {step}); it returned {out.columns}", step=step, stage=st.id,
+                                     worker=self.rank)
+        if st.contract.rows == "same" and len(out) != len(batch):
+            raise StageContractError(f"stage {st.id!r} returned {len(out)} rows for {len(batch)} input rows "
+                                     f"(worker {self.rank}, step {step}); its node declares rows: same",
+                                     step=step, stage=st.id, worker=self.rank)
+
+    def _ctx(self, step: int, st: Stage) -> StageContext:
+        return stage_context(st, step=step, worker=self.rank, world_size=self.world_size, session_seed=self.s.seed,
+                             node=self.node, config=self.s.config, engines=self.engines, loader=self.loader,
+                             recorder=self.rec, groups=self.groups)
+
+    # ---- inspection ------------------------------------------------------------------
+    def peek(self, stage_id: str, n: int = 4, columns: list[str] | None = None) -> Batch | None:
+        """The first n rows of a stage's latest output (only these travel to the driver)."""
+        out = self.outputs.get(stage_id)
+        if out is None:
+            return None
+        small = out.select(np.arange(min(n, len(out))))
+        return small.pick(columns) if columns else small
+
+    def samples(self, stage_id: str, n: int = 4) -> list[dict]:
+        """A few rows of a stage's latest output as plain values, decoded to text when
+        this worker has a tokenizer (only these rows travel to the driver)."""
+        out = self.outputs.get(stage_id)
+        return [] if out is None else sample_rows(out, n, self.engines.get("tokenizer"), self.rank)
+
+    def lengths(self, stage_id: str) -> np.ndarray | None:
+        """Token length of every item of a stage's latest output (metadata for load-balance plots)."""
+        out = self.outputs.get(stage_id)
+        return None if out is None else item_lengths(out)
+
+    def memory(self) -> dict:
+        import resource
+
+        import psutil
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {"rank": self.rank, "pid": os.getpid(), "rss": psutil.Process().memory_info().rss, "peak_rss": peak}
+
+    def ping(self) -> int:
+        return self.rank
+
+    # ---- faults and retries ----------------------------------------------------------
+    def _clear_step(self) -> None:
+        if self.port is not None:
+            self.port.clear()
+        self.outputs.clear()
+
+    def _start_step(self, step: int) -> None:
+        self._clear_step()
+        self.port.begin_step(step)
+        if self.loader is not None:  # where this step's data starts, should the step be retried
+            self._loader_at_step_start = self.loader.state_dict()
+
+    def rewind(self) -> bool:
+        """Undo the current step's data loading so the same step can run again."""
+        self._clear_step()
+        if self.loader is not None and self._loader_at_step_start:
+            self.loader.load_state_dict(self._loader_at_step_start)
+        return True
+
+    def add_faults(self, faults: list[dict]) -> int:
+        """Planned faults: {"step", "stage", "action": "exit" | "kill_actor", "actor": i, "skip": n}.
+        Real ones: "exit" ends this worker's process mid-stage; "kill_actor" kills data-plane
+        actor i (a DataBuffer, or the coordinator); Ray restarts it."""
+        self.faults.extend(faults)
+        return len(self.faults)
+
+    def _maybe_fault(self, step: int, st: Stage, action: str) -> None:
+        if not self.faults:
+            return
+        for f in list(self.faults):
+            if f["step"] == step and f["stage"] == st.id and f["action"] == action:
+                if f.get("skip", 0) > 0:  # e.g. skip=1: strike on the retry, not the first attempt
+                    f["skip"] -= 1
+                    continue
+                self.faults.remove(f)
+                if action == "exit":
+                    self.port.flush()
+                    os._exit(1)
+                self.port.kill_actor(f.get("actor", 0))
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> list[str]:
+        """Trainable engines (collective: every worker calls) and this rank's loader position."""
+        d = Path(directory)
+        saved = []
+        for name, e in self.engines.items():
+            if callable(getattr(e, "save", None)) and getattr(e, "optimizer", None) is not None:
+                e.save(d / name)
+                saved.append(name)
+        if self.loader is not None and self.plan.stages[0].group_rank(self.rank) == 0:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"loader_dp{self.loader.dp_rank}.json").write_text(json.dumps(self.loader.state_dict()))
+        return saved
+
+    def load_checkpoint(self, directory: str) -> list[str]:
+        d = Path(directory)
+        loaded = []
+        for name, e in self.engines.items():
+            if callable(getattr(e, "load", None)) and (d / name).is_dir():
+                e.load(d / name)
+                loaded.append(name)
+        for e in self.engines.values():
+            if callable(getattr(e, "after_load", None)):
+                e.after_load()
+        if self.loader is not None:
+            f = d / f"loader_dp{self.loader.dp_rank}.json"
+            if not f.exists():
+                raise FileNotFoundError(f"checkpoint {d} has no loader state for data-parallel rank "
+                                        f"{self.loader.dp_rank} ({f.name})")
+            self.loader.load_state_dict(json.loads(f.read_text()))
+        return loaded

@@ -1,1 +1,0 @@
-"""Synthetic RL tasks written as verl-schema parquet."""

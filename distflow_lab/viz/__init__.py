@@ -1,1 +1,0 @@
-"""Figures and widgets. They take a session or DataFrames and never import `lab`."""
