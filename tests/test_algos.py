@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from distflow_lab.algos.estimators import (
-    ADVANTAGE_ESTIMATORS,
+    ESTIMATORS,
     discounted_returns,
     dr_grpo_outcome_advantage,
     gae_advantage,
     grpo_outcome_advantage,
-    masked_mean,
     masked_var,
     masked_whiten,
     outcome_to_token_rewards,
@@ -23,6 +22,7 @@ from distflow_lab.algos.estimators import (
 )
 from distflow_lab.algos.losses import (
     aggregate_loss,
+    masked_mean,
     apply_kl_in_reward,
     entropy_bonus,
     entropy_from_logits,
@@ -166,15 +166,20 @@ def test_gae_discounted():
 
 
 def test_registry():
-    assert set(ADVANTAGE_ESTIMATORS) >= {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"}
-    s, m, idx = T([1.0, 0.0, 1.0, 0.0]), torch.ones(4, 3), [0, 0, 0, 0]
-    kw = dict(scores=s, response_mask=m, index=idx)
-    close(ADVANTAGE_ESTIMATORS["dr_grpo"](**kw)[0][:, 0], [0.5, -0.5, 0.5, -0.5])
-    close(ADVANTAGE_ESTIMATORS["grpo"](**kw)[0][:, 0], [0.866025, -0.866025] * 2)
-    r = outcome_to_token_rewards(s, m)
-    a, _ = ADVANTAGE_ESTIMATORS["gae"](token_rewards=r, values=torch.zeros(4, 3), response_mask=m)
-    b, _ = ADVANTAGE_ESTIMATORS["reinforce_plus_plus"](token_rewards=r, response_mask=m)
-    close(a, b)  # V=0, gamma=lam=1: both whiten the same return-to-go
+    from distflow_lab.algos.registry import ALGORITHMS
+    from distflow_lab.core.batch import Batch
+    from distflow_lab.core.config import AlgorithmOptions
+
+    assert set(ESTIMATORS) >= {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"}
+    assert all(e in ESTIMATORS for a in ALGORITHMS.values() for e in a.estimators)  # every listed one exists
+    s, m = T([1.0, 0.0, 1.0, 0.0]), torch.ones(4, 3)
+    b = Batch({"scores": s, "response_mask": m, "values": torch.zeros(4, 3)}, {"uid": ["0"] * 4})
+    alg = AlgorithmOptions()
+    close(ESTIMATORS["dr_grpo"](b, alg)[0][:, 0], [0.5, -0.5, 0.5, -0.5])
+    close(ESTIMATORS["grpo"](b, alg)[0][:, 0], [0.866025, -0.866025] * 2)
+    close(ESTIMATORS["gae"](b, alg)[0], ESTIMATORS["reinforce_plus_plus"](b, alg)[0])  # V=0, gamma=lam=1: same
+    with_kl = b.with_columns(token_rewards=outcome_to_token_rewards(s, m) * 2)  # a stage put rewards in a column
+    assert not torch.equal(ESTIMATORS["gae"](with_kl, alg)[1], ESTIMATORS["gae"](b, alg)[1])
 
 
 # ---------------------------------------------------------------- aggregation

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from distflow_lab.runtime import cluster as lab_cluster
-from distflow_lab.runtime import create as controller
+import distflow_lab as lab
 from distflow_lab.experiments.synthetic import synthetic_grpo
 
 from .conftest import restart_shared_ray
@@ -33,37 +33,35 @@ def two_nodes(ray_cluster, tmp_path_factory):
 @pytest.mark.cluster
 def test_one_buffer_per_node_on_its_node(two_nodes):
     dag = synthetic_grpo(batch_size=8, n=4, max_prompt_len=64, max_response_len=64, rollout_tp=2)
-    s = controller.create(dag, world_size=4)
+    s = lab.session(dag, world_size=4)
     try:
-        p = s.placement
+        p, plane = s.controller.placement, s.controller.plane
         assert len(set(p.worker_nodes)) == 2  # 2 CPUs per node: the workers span both nodes
         assert p.worker_nodes == sorted(p.worker_nodes, key=p.worker_nodes.index)  # node-contiguous ranks
-        assert len(p.buffers) == 2
-        actual = ray.get([b.ping.remote() for b in p.buffers])
-        assert actual == p.buffer_nodes and set(actual) == set(p.worker_nodes)
+        assert len(plane.buffers) == 2
+        actual = ray.get([b.ping.remote() for b in plane.buffers])
+        assert set(actual) == set(p.worker_nodes)
         # each worker talks to the buffer on its own node
-        assert [p.buffer_nodes[i] for i in p.buffer_of_worker] == p.worker_nodes
-        reports = s.run(2, progress=False)
+        assert [actual[i] for i in plane.buffer_of_worker] == p.worker_nodes
+        reports = s.controller.run(2, progress=False)
         ledger = s.ledger()
         assert (ledger["items_in"] == 32).all() and (ledger["items_out"] == 32).all()
-        per_buffer = ray.get([b.ledger.remote() for b in p.buffers])
+        per_buffer = ray.get([b.ledger.remote() for b in plane.buffers])
         assert all(sum(r["items_in"] for r in rows) > 0 for rows in per_buffer)  # both nodes carried data
         metrics = [r.metrics for r in reports]
+        for mode in ("coordinator", "centralized"):  # the same steps, across two object stores
+            s.reopen(mode=mode)
+            assert [r.metrics for r in s.controller.run(2, progress=False)] == metrics, mode
     finally:
         s.close()
-    c = controller.create(dag, world_size=4, mode="centralized")
-    try:
-        assert [r.metrics for r in c.run(2, progress=False)] == metrics
-    finally:
-        c.close()
 
 
 @pytest.mark.cluster
 def test_one_central_buffer(two_nodes):
     dag = synthetic_grpo(batch_size=8, n=4, max_prompt_len=64, max_response_len=64, rollout_tp=2)
-    s = controller.create(dag, world_size=4, num_buffers=1)
+    s = lab.session(dag, world_size=4, num_buffers=1)
     try:
-        assert len(s.placement.buffers) == 1 and set(s.placement.buffer_of_worker) == {0}
+        assert len(s.controller.plane.buffers) == 1 and set(s.controller.plane.buffer_of_worker) == {0}
         s.step()
         ledger = s.ledger()
         assert (ledger["items_out"] == 32).all()

@@ -1,7 +1,7 @@
-"""The data plane on a real Ray cluster: local-cache hits with equal layouts,
-DataBuffer redistribution when layouts change (counts conserved, every item
-exactly once), load balancing, both modes giving identical stage outputs, and
-a driver that receives only metadata in distributed mode."""
+"""The data planes on a real Ray cluster: local-cache hits with equal layouts,
+DataBuffer or coordinator redistribution when layouts change (counts
+conserved, every item exactly once), load balancing, all three modes giving
+identical stage outputs, and which modes move payloads through the driver."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,12 +10,13 @@ import ray
 import torch
 
 import distflow_lab as lab
-from distflow_lab.runtime import create as controller
-from distflow_lab.dataplane.partition import load_stats
 from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import ConfigError
+from distflow_lab.dataplane.partition import load_stats
 from distflow_lab.experiments.synthetic import synthetic_grpo
 
 W = 4
+MODES = ("distributed", "coordinator", "centralized")
 
 
 def dag(max_len: int = 64, batch: int = 8, tp: int = 2):
@@ -24,64 +25,64 @@ def dag(max_len: int = 64, batch: int = 8, tp: int = 2):
 
 
 @pytest.fixture(scope="class")
-def both(ray_cluster):
-    """One distributed and one centralized session over the same DAG, 2 steps each."""
-    d = controller.create(dag(), world_size=W, mode="distributed")
-    c = controller.create(dag(), world_size=W, mode="centralized")
-    reports = {"distributed": d.run(2, progress=False), "centralized": c.run(2, progress=False)}
-    yield d, c, reports
-    d.close()
-    c.close()
+def sessions(ray_cluster):
+    """One session per mode over the same DAG, 2 steps each."""
+    opened = {m: lab.session(dag(), world_size=W, mode=m, cpus_per_worker=0.5) for m in MODES}  # 12 workers, 8 CPUs
+    reports = {m: s.controller.run(2, progress=False) for m, s in opened.items()}
+    yield opened, reports
+    for s in opened.values():
+        s.close()
 
 
 def all_rows(session, stage: str) -> list[Batch]:
     """Every worker's full output of `stage` (tests only: payloads travel)."""
-    c = getattr(session, "controller", session)  # raw batches, not the notebook's decoded samples
-    return [c.peek(stage, worker=w, n=10**6) for w in range(W)]
+    return [session.output(stage, worker=w) for w in range(W)]
 
 
 class TestSharedSessions:
-    """Tests that share one distributed and one centralized session."""
+    """Tests that share one session per mode."""
 
-    def test_routes_cache_hits_and_one_redistribution(self, both):
-        d, _, reports = both
-        step = reports["distributed"][-1]
-        routes = {s.stage_id: {r.route_in for r in s.results} for s in step.stages}
-        assert routes == {"data": {"loader"}, "rollout": {"cache"}, "reward": {"cache"}, "advantage": {"cache"},
-                          "old_log_prob": {"buffer"}, "ref_log_prob": {"cache"}, "actor_update": {"cache"}}
-        hits = sum(r.cache_hit is True for s in step.stages for r in s.results)
-        assert hits == 5 * W
-        ledger = d.ledger()
-        assert set(ledger["edge"]) == {"advantage->old_log_prob"}  # local edges never touch a buffer
+    def test_routes_cache_hits_and_one_redistribution(self, sessions):
+        opened, reports = sessions
+        for mode, plane_route in (("distributed", "buffer"), ("coordinator", "coordinator")):
+            step = reports[mode][-1]
+            routes = {s.stage_id: {r.route_in for r in s.results} for s in step.stages}
+            assert routes == {"data": {"loader"}, "rollout": {"cache"}, "reward": {"cache"}, "advantage": {"cache"},
+                              "old_log_prob": {plane_route}, "ref_log_prob": {"cache"}, "actor_update": {"cache"}}
+            assert sum(r.cache_hit is True for s in step.stages for r in s.results) == 5 * W
+            assert set(opened[mode].ledger()["edge"]) == {"advantage->old_log_prob"}  # local edges stay local
+        central = reports["centralized"][-1]
+        assert {r.route_in for s in central.stages[1:] for r in s.results} == {"driver"}
 
-
-    def test_buffer_counts_conserved_and_items_exactly_once(self, both):
-        d, _, _ = both
-        ledger = d.ledger()
+    @pytest.mark.parametrize("mode", MODES)
+    def test_counts_conserved_and_items_exactly_once(self, sessions, mode):
+        s = sessions[0][mode]
+        ledger = s.ledger()
         rows = 8 * 4  # prompts x responses
-        assert (ledger["items_reported"] == rows).all()
-        assert (ledger["items_in"] == rows).all() and (ledger["items_out"] == rows).all()
+        moved = ledger[ledger["edge"] == "advantage->old_log_prob"]
+        assert len(moved) == 2 and (moved["items_reported"] == rows).all()
+        assert (moved["items_in"] == rows).all() and (moved["items_out"] == rows).all()
         # every (uid, response) row that left advantage arrives at old_log_prob exactly once
-        before = [b for w, b in enumerate(all_rows(d, "advantage")) if w % 2 == 0]  # tp rank 0 of each group
-        after = all_rows(d, "old_log_prob")
+        before = [b for w, b in enumerate(all_rows(s, "advantage")) if w % 2 == 0]  # tp rank 0 of each group
+        after = all_rows(s, "old_log_prob")
         key = lambda b: sorted(zip(b["uid"].tolist(), b["responses"][:, :8].tolist()))  # noqa: E731
         assert sorted(sum((key(b) for b in before), [])) == sorted(sum((key(b) for b in after), []))
         assert sum(len(b) for b in after) == rows
 
-
-    def test_modes_give_identical_stage_outputs(self, both):
-        d, c, reports = both
-        assert [r.metrics for r in reports["distributed"]] == [r.metrics for r in reports["centralized"]]
+    def test_modes_give_identical_stage_outputs(self, sessions):
+        opened, reports = sessions
+        metrics = {m: [r.metrics for r in reps] for m, reps in reports.items()}
+        assert metrics["distributed"] == metrics["coordinator"] == metrics["centralized"]
         for stage in ("rollout", "advantage", "old_log_prob", "actor_update"):
-            for bd, bc in zip(all_rows(d, stage), all_rows(c, stage)):
-                assert bd.columns == bc.columns or set(bd.columns) == set(bc.columns)
+            rows = {m: all_rows(opened[m], stage) for m in MODES}
+            for bd, bo, bc in zip(rows["distributed"], rows["coordinator"], rows["centralized"]):
+                assert set(bd.columns) == set(bo.columns) == set(bc.columns)
                 for k in bd.tensors:
-                    assert torch.equal(bd[k], bc[k]), (stage, k)
-                assert bd["uid"].tolist() == bc["uid"].tolist()
+                    assert torch.equal(bd[k], bc[k]) and torch.equal(bd[k], bo[k]), (stage, k)
+                assert bd["uid"].tolist() == bc["uid"].tolist() == bo["uid"].tolist()
 
-
-    def test_stage_report_has_real_numbers(self, both):
-        d, _, _ = both
+    def test_stage_report_has_real_numbers(self, sessions):
+        d = sessions[0]["distributed"]
         rep = d.step_stage()  # data
         assert rep.stage_id == "data" and all(r.items_out == 4 for r in rep.results)
         rep = d.step_stage()  # rollout
@@ -94,9 +95,10 @@ class TestSharedSessions:
         assert [s.stage_id for s in finished.stages] == [s.id for s in d.plan.stages]
 
 
-def test_stepping_stage_by_stage_matches_whole_steps(ray_cluster):
-    a = controller.create(dag(), world_size=W)
-    b = controller.create(dag(), world_size=W)
+@pytest.mark.parametrize("mode", ["distributed", "coordinator"])
+def test_stepping_stage_by_stage_matches_whole_steps(ray_cluster, mode):
+    a = lab.session(dag(), world_size=W, mode=mode)
+    b = lab.session(dag(), world_size=W, mode=mode)
     try:
         whole = [a.step().metrics for _ in range(2)]
         staged = []
@@ -110,11 +112,13 @@ def test_stepping_stage_by_stage_matches_whole_steps(ray_cluster):
         b.close()
 
 
-def test_local_cache_off_routes_every_edge_through_the_buffer(ray_cluster):
-    s = controller.create(dag(), world_size=W, local_cache=False, num_buffers=1)
+@pytest.mark.parametrize("mode,route,options", [("distributed", "buffer", {"num_buffers": 1}),
+                                                 ("coordinator", "coordinator", {})])
+def test_local_cache_off_routes_every_edge_through_the_data_plane(ray_cluster, mode, route, options):
+    s = lab.session(dag(), world_size=W, mode=mode, local_cache=False, **options)
     try:
         rep = s.step()
-        assert {r.route_in for st in rep.stages[1:] for r in st.results} == {"buffer"}
+        assert {r.route_in for st in rep.stages[1:] for r in st.results} == {route}
         ledger = s.ledger()
         assert len(ledger) == len(s.plan.edges)
         assert (ledger["items_in"] == ledger["items_out"]).all()
@@ -125,7 +129,7 @@ def test_local_cache_off_routes_every_edge_through_the_buffer(ray_cluster):
 
 def test_lpt_balances_token_load(ray_cluster):
     loads = {}
-    s = lab.session(dag(batch=16), world_size=W, balance="lpt", double_buffer=False)
+    s = lab.session(dag(batch=16), world_size=W, mode="coordinator", balance="lpt", double_buffer=False)
     try:
         for policy in ("lpt", "none"):
             if policy != "lpt":
@@ -144,44 +148,59 @@ def test_lpt_balances_token_load(ray_cluster):
     assert sum(loads["lpt"]) == sum(loads["none"])
 
 
-def test_driver_receives_only_metadata_in_distributed_mode(ray_cluster):
-    """Bytes reaching the driver per step do not grow with context length in
-    distributed mode; in centralized mode they grow with the payload."""
-    got = {}
+def test_payloads_never_reach_the_driver_or_the_coordinator(ray_cluster):
+    """Bytes reaching the driver per step do not grow with context length in the
+    distributed and coordinator modes, nor do the bytes the coordinator handles
+    (lengths and row indices only); in centralized mode the driver's grow with the payload."""
+    got, coord = {}, {}
     s = None
     try:
-        for mode in ("distributed", "centralized"):
+        for mode in MODES:
             for max_len in (64, 512):
                 if s is None:
                     s = lab.session(dag(max_len=max_len), world_size=W, mode=mode, keep_outputs=False)
                 else:
                     s.reopen(mode=mode, dag=dag(max_len=max_len))
                 s.step()
-                before = s.controller.bytes_to_driver
+                before = s.bytes_to_driver
                 s.step()
-                got[mode, max_len] = s.controller.bytes_to_driver - before
+                got[mode, max_len] = s.bytes_to_driver - before
+                if mode == "coordinator":
+                    coord[max_len] = ray.get(s.controller.plane.coordinator.stats.remote())["meta_bytes"]
     finally:
         s.close()
-    assert got["distributed", 512] < 1.2 * got["distributed", 64]
-    assert got["distributed", 512] < 200_000
+    for mode in ("distributed", "coordinator"):
+        assert got[mode, 512] < 1.2 * got[mode, 64] and got[mode, 512] < 200_000, mode
+        assert got["centralized", 512] > 20 * got[mode, 512]
     assert got["centralized", 512] > 4 * got["centralized", 64]
-    assert got["centralized", 512] > 20 * got["distributed", 512]
+    payload = 32 * 1024 * 8 * 4  # rows x tokens x bytes x (ids, masks, positions, responses), roughly
+    assert coord[512] == coord[64] and coord[512] < 0.01 * payload  # metadata only: the same at 8x the context
 
 
-def test_double_buffer_releases_each_step(ray_cluster):
-    s = lab.session(dag(), world_size=W, double_buffer=True)
+@pytest.mark.parametrize("mode", ["distributed", "coordinator"])
+def test_double_buffer_releases_each_step(ray_cluster, mode):
+    s = lab.session(dag(), world_size=W, mode=mode, double_buffer=True)
     try:
         for enabled in (True, False):
             if not enabled:
                 s.reopen(double_buffer=False)
             s.run(3, progress=False)
-            bufs = s.controller.placement.buffers
-            stats = ray.get([b.stats.remote() for b in bufs])
-            ray.get([b.drain.remote() for b in bufs])
+            actors = s.controller.plane.actors()
+            stats = ray.get([a.stats.remote() for a in actors])
+            ray.get([a.drain.remote() for a in actors])
             assert all(st["open_steps"] == [] for st in stats)
             assert all(st["releases"] == 3 and st["double_buffer"] is enabled for st in stats)
     finally:
         s.close()
+
+
+def test_a_switch_with_no_meaning_in_a_mode_is_an_error(ray_cluster):
+    with pytest.raises(ConfigError, match=r"switch 'num_buffers' has no meaning in mode 'coordinator'"):
+        lab.session(dag(), world_size=W, mode="coordinator", num_buffers=1)
+    with pytest.raises(ConfigError, match=r"switch 'local_cache' has no meaning in mode 'centralized'"):
+        lab.session(dag(), world_size=W, mode="centralized", local_cache=False)
+    with pytest.raises(ConfigError, match=r"unknown session option 'world_sise'"):
+        lab.session(dag(), world_sise=4)
 
 
 def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
@@ -195,7 +214,7 @@ def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
         return reward(batch, ctx)
 
     d = dag().replace("reward", fn=broken_reward)
-    s = controller.create(d, world_size=W, buffer_wait_timeout_s=30)
+    s = lab.session(d, world_size=W, buffer_wait_timeout_s=30)
     try:
         with pytest.raises(StageError, match=r"stage 'reward' raised ValueError: reward model exploded \(worker [23], step 0\)") as e:
             s.step()
@@ -203,7 +222,7 @@ def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
         # the session survives: the same step (same data) runs again — and fails the same way
         with pytest.raises(StageError, match="step 0"):
             s.step()
-        assert s.step_index == 0
+        assert s.cursor[0] == 0
     finally:
         s.close()
 
@@ -223,13 +242,12 @@ def test_a_stage_breaking_its_contract_is_named(ray_cluster):
     contract = {"outputs": ["scores"], "rows": "same"}
     for fn, message in ((forgets_scores, r"stage 'reward' did not produce column\(s\) \['scores'\] \(worker \d, step 0\)"),
                         (drops_a_row, r"stage 'reward' returned \d+ rows for \d+ input rows \(worker \d, step 0\)")):
-        d = dag()
-        d.replace("reward", fn=fn, config={**d["reward"].config, **contract})
-        s = controller.create(d, world_size=W)
+        d = dag().replace("reward", fn=fn, contract=contract)
+        s = lab.session(d, world_size=W)
         try:
             with pytest.raises(StageContractError, match=message):
                 s.step()
-            assert s.step_index == 0  # nothing half-done is counted as a step
+            assert s.cursor[0] == 0  # nothing half-done is counted as a step
         finally:
             s.close()
 
@@ -248,7 +266,7 @@ def test_one_process_group_per_stage_layout(ray_cluster):
         return batch
 
     d = dag(tp=2).replace("reward", fn=_probe_then_reward(probe)).replace("ref_log_prob", fn=probe)
-    s = controller.create(d, world_size=W, torch_distributed=True)
+    s = lab.session(d, world_size=W, torch_distributed=True)
     try:
         m = s.step().metrics
         assert m["group_size/reward"] == 2 and m["sum/reward"] == 2  # dp=2 ranks per tp rank

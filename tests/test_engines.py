@@ -11,15 +11,19 @@ import socket
 import traceback
 
 import pytest
+from pydantic import ValidationError
 import torch
 import torch.multiprocessing as mp
 
 from distflow_lab.algos.losses import aggregate_loss
 from distflow_lab.models.critic import build_critic_from
-from distflow_lab.models.fsdp import OptimConfig, TrainEngine, micro_batches, sft_loss_fn
+from distflow_lab.core.config import Optim as OptimConfig
+from distflow_lab.core.config import RolloutOptions
+from distflow_lab.models.fsdp import TrainEngine, micro_batches, sft_loss_fn
 from distflow_lab.models.model_dir import build_tiny_qwen2, save_model_dir
-from distflow_lab.models.rollout_hf import (HFRollout, RolloutConfig, assemble_columns, build_sft_batch,
-                                            decode_responses, make_rollout, tokenize_prompts)
+from distflow_lab.models.sequences import assemble_columns, build_sft_batch, decode_responses, tokenize_prompts
+from distflow_lab.models.rollout_hf import HFRollout
+from distflow_lab.models.rollout import make_rollout
 from distflow_lab.models.tokenizer import build_char_tokenizer
 
 P, R = 10, 12
@@ -108,9 +112,9 @@ def test_tokenize_prompts_left_pads_and_truncates_tail(tok):
 
 def test_hf_rollout_columns_groups_eos_and_seed(tok, model):
     ids, mask, _ = tokenize_prompts(tok, ["3+4=", "12*3=", "hello"], P)
-    cfg = RolloutConfig(n=4, max_prompt_len=P, max_response_len=R, micro_batch=5)
+    cfg = RolloutOptions(n=4, max_response_len=R, micro_batch=5)
     with eos_bias(model, 3.8):  # p(eos) ~ 0.15 per step: a mix of lengths
-        ro = HFRollout(model, tok, cfg)
+        ro = HFRollout(model, tok, cfg, P)
         out, again, other = (ro.generate(ids, mask, seed=s) for s in (7, 7, 8))
     shapes = {"prompts": (B := 12, P), "responses": (B, R), "input_ids": (B, P + R), "attention_mask": (B, P + R),
               "position_ids": (B, P + R), "response_mask": (B, R)}
@@ -142,7 +146,7 @@ def test_hf_rollout_columns_groups_eos_and_seed(tok, model):
 def test_hf_rollout_immediate_eos(tok, model):
     ids, mask, _ = tokenize_prompts(tok, ["3+4=", "x"], P)
     with eos_bias(model, 50.0):
-        out = HFRollout(model, tok, RolloutConfig(n=2, max_prompt_len=P, max_response_len=R)).generate(ids, mask, 0)
+        out = HFRollout(model, tok, RolloutOptions(n=2, max_response_len=R), P).generate(ids, mask, 0)
     assert (out["responses"][:, 0] == EOS).all() and (out["responses"][:, 1:] == PAD).all()
     assert out["response_mask"].tolist() == [[1] + [0] * (R - 1)] * 4
     assert decode_responses(tok, out["responses"], out["response_mask"]) == [""] * 4
@@ -152,7 +156,7 @@ def test_forward_log_probs_match_manual_and_rollout(tok, model):
     model = copy.deepcopy(model)  # the frozen engine below flips requires_grad on it
     ids, mask, _ = tokenize_prompts(tok, ["3+4=", "12*3=", "a much longer prompt"], P)
     with eos_bias(model, 3.0):
-        ro = HFRollout(model, tok, RolloutConfig(n=3, max_prompt_len=P, max_response_len=R, return_log_probs=True))
+        ro = HFRollout(model, tok, RolloutOptions(n=3, max_response_len=R, log_probs=True), P)
         b = ro.generate(ids, mask, seed=1)
         eng = TrainEngine(model, None, micro_token_budget=40, device="cpu")  # shares the module: colocated
         lp, ent = eng.forward_log_probs(*fwd_cols(b), with_entropy=True)
@@ -244,7 +248,7 @@ def test_weight_sync_into_rollout_and_sft(tok, model):
     assert n_trunc == 0 and batch["response_mask"].sum(-1).tolist() == [2] * 8  # digit + eos
     losses = [policy.train_step(batch, sft_loss_fn)["loss"] for _ in range(12)]
     assert losses[-1] < losses[0] - 0.5
-    rollout = HFRollout(copy.deepcopy(model), tok, RolloutConfig(n=1, max_prompt_len=P, max_response_len=R))
+    rollout = HFRollout(copy.deepcopy(model), tok, RolloutOptions(n=1, max_response_len=R), P)
     rollout.load_weights(policy.full_state_dict())
     assert max_diff(rollout.model.state_dict(), policy.model.state_dict()) == 0.0
     with pytest.raises(KeyError):
@@ -273,11 +277,12 @@ def test_critic_values_zero_at_init_and_trainable(tok, model, tmp_path):
 
 
 def test_make_rollout_and_vllm_without_gpu(tok, model, tmp_path):
-    assert isinstance(make_rollout("hf", model, tok, RolloutConfig()), HFRollout)
-    for kind in ("sglang", "vllm"):  # unknown kind; vllm without model_path
-        pytest.raises(ValueError, make_rollout, kind, model, tok)
+    assert isinstance(make_rollout(model, tok, RolloutOptions(), P), HFRollout)
+    with pytest.raises(ValidationError):  # an unknown engine is a config error
+        RolloutOptions(engine="sglang")
+    pytest.raises(ValueError, make_rollout, None, tok, RolloutOptions(engine="vllm"), P)  # no model_path
     with pytest.raises(RuntimeError, match=r"\[gpu\]"):
-        make_rollout("vllm", None, tok, RolloutConfig(), model_path=str(tmp_path))
+        make_rollout(None, tok, RolloutOptions(engine="vllm"), P, model_path=str(tmp_path))
 
 
 # ---------------------------------------------------------------- FSDP2, 2 gloo ranks
@@ -342,8 +347,10 @@ def test_fsdp2_two_ranks_equal_one_rank(tok, model, tmp_path, mode):
     for k in ("loss", "grad_norm", "ratio", "n_tokens"):
         assert r0["metrics"][k] == pytest.approx(m_ref[k], abs=1e-5), k
     s_ref = ref.full_state_dict()
-    assert max_diff(r0["state"], s_ref) < 1e-5 and max_diff(r1["state"], s_ref) < 1e-5
+    # Adam's first step is ~lr * g / (|g| + eps): where |g| is near eps, float-level gradient
+    # differences (< 1e-6 above) move a weight by a visible fraction of lr (1e-3)
+    assert max_diff(r0["state"], s_ref) < 1e-4 and max_diff(r1["state"], s_ref) < 1e-4
     # the FSDP checkpoint loads into a plain 1-process engine
     plain = TrainEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), device="cpu")
     plain.load(tmp_path / "ckpt")
-    assert max_diff(plain.full_state_dict(), s_ref) < 1e-5
+    assert max_diff(plain.full_state_dict(), s_ref) < 1e-4  # see above: Adam near eps

@@ -140,7 +140,7 @@ def test_reopen_reuses_the_worker_processes(ray_cluster):
         first = [s.step().metrics for _ in range(2)]
         pids = ray.get([w.memory.remote() for w in s.controller.workers])
         s.reopen(mode="centralized", balance="lpt")
-        assert s.mode == "centralized" and s.controller.step_index == 0
+        assert s.mode == "centralized" and s.cursor[0] == 0
         assert [p["pid"] for p in ray.get([w.memory.remote() for w in s.controller.workers])] == \
             [p["pid"] for p in pids]  # the very same processes
         again = [s.step().metrics for _ in range(2)]
@@ -148,4 +148,4 @@ def test_reopen_reuses_the_worker_processes(ray_cluster):
         assert [p["rank"] for p in pids] == [0, 1, 2, 3]
         assert {"distributed"} == set(s.previous) and len(s.previous_metrics["distributed"]) == 2
         s.reopen(mode="distributed", num_buffers=1)
-        assert len(s.controller.placement.buffers) == 1 and s.step().metrics == first[0]
+        assert len(s.controller.plane.actors()) == 1 and s.step().metrics == first[0]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from distflow_lab.core.config import TinySpec as TinyModelSpec
 from distflow_lab.models.model_dir import (
-    TinyModelSpec,
     build_tiny_qwen2,
     count_params,
     ensure_tiny_model,

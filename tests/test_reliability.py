@@ -15,7 +15,7 @@ import pytest
 import distflow_lab as lab
 from distflow_lab.runtime import faults
 from distflow_lab.experiments.bench import memory
-from distflow_lab.core.config import load_run_config
+from distflow_lab.api.runner import load_run_config
 from distflow_lab.core.errors import BufferLost, WorkerLost
 from distflow_lab.api.runner import open_session
 from distflow_lab.experiments.synthetic import synthetic_grpo
@@ -45,7 +45,7 @@ def test_worker_killed_mid_stage_is_named_and_the_session_resumes(ray_cluster, t
             s.step()
         with pytest.raises(RuntimeError, match="call resume"):
             s.step()
-        assert s.controller.resume() == 1
+        assert s.resume() == 1
         assert [s.step().metrics for _ in range(2)] == expected
     finally:
         s.close()
@@ -97,13 +97,13 @@ def test_buffer_killed_the_step_is_retried_and_every_item_accounted(ray_cluster)
         s.step()
         faults.inject(s, "buffer", 0, step=1, stage="old_log_prob", by_worker=0)
         got = [s.step().metrics, s.step().metrics]
-        assert [r["step"] for r in s.controller.retries] == [1]
+        assert [r["step"] for r in s.retries] == [1]
         assert got == expected[1:]  # same data: nothing skipped, nothing duplicated
         ledger = s.ledger()
         done = ledger[~ledger["edge"].str.contains("aborted")]
         assert list(done["step"]) == [0, 1, 2]
         assert (done["items_reported"] == 32).all() and (done["items_in"] == 32).all() and (done["items_out"] == 32).all()
-        rows = [s.controller.peek("old_log_prob", worker=w, n=10**6) for w in range(4)]
+        rows = [s.output("old_log_prob", worker=w) for w in range(4)]
         keys = [(u, tuple(r)) for b in rows for u, r in zip(b["uid"].tolist(), b["responses"][:, :8].tolist())]
         assert len(keys) == 32 and len(set(keys)) == 32  # every row of the retried step exactly once
     finally:

@@ -1,6 +1,8 @@
 """Rule rewards: GSM8K answer extraction and scoring, exact match, registry."""
 import pytest
 
+from distflow_lab.core.errors import ConfigError
+
 from distflow_lab.datasets.rewards import (
     REWARD_FNS,
     exact_match_reward,
@@ -62,8 +64,9 @@ def test_registry():
     assert reward_for("distflow/arithmetic") is exact_match_reward
     with pytest.raises(ValueError, match=r"nope/x.*distflow/arithmetic.*openai/gsm8k"):
         reward_for("nope/x")
-    REWARD_FNS["my/task"] = lambda r, gt: 0.5
-    try:
-        assert reward_for("my/task")("a", "b") == 0.5
-    finally:
-        del REWARD_FNS["my/task"]
+    # a notebook assignment would change only this process, never the workers: refused, with the way that works
+    with pytest.raises(ConfigError, match=r"read-only.*reward.by_source"):
+        REWARD_FNS["my/task"] = lambda r, gt: 0.5
+    assert "my/task" not in REWARD_FNS
+    assert reward_for("my/task", {"my/task": lambda r, gt: 0.5})("a", "b") == 0.5  # the config's table wins
+    assert reward_for("openai/gsm8k", {"openai/gsm8k": exact_match_reward}) is exact_match_reward

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from distflow_lab.core.config import ConfigError, load_run_config
-from distflow_lab.api.runner import open_session, train
+from distflow_lab.core.errors import CheckpointError, ConfigError
+from distflow_lab.api.runner import load_run_config, open_session, train
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +40,21 @@ def test_ppo_runs_and_value_loss_falls(ray_cluster, base, tmp_path):
     assert {"critic/vf_clipfrac", "actor/clipfrac"} <= set(m.columns)
 
 
-def test_distributed_and_centralized_give_identical_metrics(ray_cluster, base):
+@pytest.mark.parametrize("preset", ["tiny-cpu-grpo", "tiny-cpu-ppo"])
+def test_every_mode_gives_identical_metrics(ray_cluster, base, preset):
+    """The same seed on the same worker processes (reopen): the data plane changes nothing but the data path."""
     runs = {}
-    for mode in ("distributed", "centralized"):
-        cfg = load_run_config("tiny-cpu-grpo", base + [f"mode={mode}", "cluster.world_size=2"])
-        with open_session(cfg, progress=False) as s:
-            runs[mode] = [s.step().metrics for _ in range(3)]
-    for d, c in zip(runs["distributed"], runs["centralized"]):
-        assert d.keys() == c.keys()
-        for k in d:
-            assert math.isclose(d[k], c[k], rel_tol=1e-6, abs_tol=1e-9), (k, d[k], c[k])
+    cfg = load_run_config(preset, base + ["cluster.world_size=2", "data.prompts_per_step=8"])
+    with open_session(cfg, progress=False) as s:
+        for mode in ("distributed", "coordinator", "centralized"):
+            if mode != s.mode:
+                s.reopen(mode=mode)
+            runs[mode] = [s.step().metrics for _ in range(2)]
+    for other in ("coordinator", "centralized"):
+        for d, c in zip(runs["distributed"], runs[other]):
+            assert d.keys() == c.keys()
+            for k in d:
+                assert math.isclose(d[k], c[k], rel_tol=1e-6, abs_tol=1e-9), (other, k, d[k], c[k])
 
 
 def test_checkpoint_resume_matches_uninterrupted_run(ray_cluster, base, tmp_path):
@@ -67,7 +72,7 @@ def test_checkpoint_resume_matches_uninterrupted_run(ray_cluster, base, tmp_path
     with open_session(other, progress=False) as s:
         with pytest.raises(ValueError, match="another configuration: .*seed"):
             s.load_checkpoint(ckpt)
-        with pytest.raises(FileNotFoundError, match=r"nowhere is not a distflow_lab checkpoint"):
+        with pytest.raises(CheckpointError, match=r"nowhere is not a distflow_lab checkpoint"):
             s.load_checkpoint(tmp_path / "nowhere")
 
 
@@ -80,8 +85,15 @@ def test_bad_configs_fail_before_workers_start(base):
         load_run_config("tiny-cpu-grpo", ["data.prompts_per_step=15"])
     with pytest.raises(ConfigError, match="vLLM is not installed"):
         load_run_config("tiny-cpu-grpo", ["rollout.engine=vllm"])
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="'no-such-preset' is neither a file nor a preset"):
         load_run_config("no-such-preset")
+    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator: ppo does not support 'rloo'"):
+        load_run_config("tiny-cpu-ppo", ["algorithm.adv_estimator=rloo"])  # it used to run GAE silently
+    with pytest.raises(ConfigError, match=r"algorithm.name: 'sac' is not a registered algorithm"):
+        load_run_config("tiny-cpu-grpo", ["algorithm.name=sac"])
+    with pytest.raises(ConfigError, match=r"command-line overrides: invalid configuration\n  actor.lrr: unknown key "
+                                          r"\(not a field of this section\) \(from the override 'actor.lrr=1'\)"):
+        load_run_config("tiny-cpu-grpo", ["actor.lrr=1"])  # the override is named, not the preset file
     cfg = load_run_config("tiny-cpu-grpo", base + ["rollout.max_response_len=80"])
     with pytest.raises(ConfigError, match="exceeds the model's context"):
         open_session(cfg, progress=False)

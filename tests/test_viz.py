@@ -18,7 +18,7 @@ from distflow_lab.observe.report import write_report
 from distflow_lab.core.spans import DRIVER, Span, spans_to_frame
 from distflow_lab.observe.figures import (PHASE_COLORS, ablation_figure, breakdown, cache_hits, cache_table, dag_figure,
                                       load_balance, load_balance_table, metric_curves, scaling_figure, timeline)
-from distflow_lab.observe.dag_figure import dag_html, plan_html
+from distflow_lab.graph.drawing import dag_html, plan_html
 
 STAGES = ["data", "rollout", "reward", "advantage", "old_log_prob", "ref_log_prob", "actor_update"]
 GEN = {"data", "rollout", "reward", "advantage"}  # dp=2 tp=2; the rest dp=4: one redistribute edge

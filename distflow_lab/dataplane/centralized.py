@@ -50,7 +50,7 @@ class CentralizedPlane:
         self.pool = ThreadPoolExecutor(max_workers=min(16, setup.plan.world_size), thread_name_prefix="dispatch")
         first = setup.plan.stages[0]
         self.loaders = ([make_loader(first.data, r, first.dp, setup.seed) for r in range(first.dp)]
-                        if first.type == "data_load" else [])
+                        if first.type == "data_load" and first.data is not None else [])
         return DriverSpec()
 
     def begin_step(self, step: int) -> None:

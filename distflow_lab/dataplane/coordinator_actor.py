@@ -72,6 +72,7 @@ class Coordinator:
         self._aborted: dict[int, str] = {}
         self._progress: dict[int, tuple[int, str, int]] = {}
         self.calls = 0  # metadata calls served (publish + get_meta), for the benchmarks
+        self.meta_bytes = 0  # bytes of lengths and row indices in and out: metadata only, never a payload
         with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -116,6 +117,7 @@ class Coordinator:
         if producer in e.lengths:
             raise CoordinatorError(f"step {step} edge {edge}: producer {producer} published twice")
         e.lengths[producer], e.refs[producer] = np.asarray(lengths), ref[0]
+        self.meta_bytes += e.lengths[producer].nbytes
         c = self._count(step, edge)
         c.items_reported += len(lengths)
         c.items_in += len(lengths)
@@ -138,6 +140,7 @@ class Coordinator:
         if step in self._aborted:
             raise CoordinatorError(f"step {step} was aborted while waiting on edge {edge}: {self._aborted[step]}")
         got = [(e.refs[p], e.rows[p][consumer]) for p in sorted(e.rows) if len(e.rows[p][consumer])]
+        self.meta_bytes += sum(rows.nbytes for _, rows in got)
         if count_as_out:
             c = self._count(step, edge)
             c.pieces_out += len(got)
@@ -169,7 +172,8 @@ class Coordinator:
         return {w: (step, stage) for w, (step, stage, _) in self._progress.items()}
 
     async def stats(self) -> dict:
-        return {"open_steps": self._store.steps(), "releases": self._store.releases, "calls": self.calls}
+        return {"open_steps": self._store.steps(), "releases": self._store.releases, "calls": self.calls,
+                "meta_bytes": self.meta_bytes, "double_buffer": self._store.enabled}
 
     async def drain(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._store.drain)

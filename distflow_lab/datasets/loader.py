@@ -21,7 +21,7 @@ import torch
 
 from distflow_lab.core.errors import DatasetError
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import DataSpec
+from distflow_lab.core.config import DataSpec, load_model
 
 
 
@@ -154,6 +154,11 @@ def check_shards(name: str, n: int, dp_size: int, local_batch: int) -> list[int]
     return sizes
 
 
+def data_spec(spec: DataSpec | dict) -> DataSpec:
+    """A DataSpec from itself or a dict (an unknown key is an error naming it)."""
+    return spec if isinstance(spec, DataSpec) else load_model(DataSpec, dict(spec), "data node")
+
+
 def _data_node(spec: DataSpec, dp_size: int) -> int | None:
     """A data node's row count (synthetic sources only), after checking its batch size."""
     if spec.batch_size % dp_size:
@@ -161,9 +166,10 @@ def _data_node(spec: DataSpec, dp_size: int) -> int | None:
     return (spec.num_rows or 4 * spec.batch_size) if spec.source == "synthetic" else None
 
 
-def check_data_node(spec: DataSpec, dp_size: int) -> list[int]:
+def check_data_node(spec: DataSpec | dict, dp_size: int) -> list[int]:
     """What `make_loader` would check, from metadata only (row counts), so a bad data
     node fails in the driver before any worker starts."""
+    spec = data_spec(spec)
     rows = _data_node(spec, dp_size)
     n = rows if rows is not None else open_source(spec.source).num_rows()
     return check_shards(str(spec.source), n, dp_size, spec.batch_size // dp_size)
@@ -240,8 +246,9 @@ class ShardedLoader:
         self._order = self._epoch_order(self.epoch)
 
 
-def make_loader(spec: DataSpec, dp_rank: int, dp_size: int, seed: int) -> ShardedLoader:
+def make_loader(spec: DataSpec | dict, dp_rank: int, dp_size: int, seed: int) -> ShardedLoader:
     """The loader of one data-parallel rank for a data node's `spec` (see `DataSpec`)."""
+    spec = data_spec(spec)
     num_rows = _data_node(spec, dp_size)
     source: str | DataSource = spec.source
     if spec.source == "synthetic":
@@ -256,5 +263,6 @@ def make_loader(spec: DataSpec, dp_rank: int, dp_size: int, seed: int) -> Sharde
 def load_batch(batch: Batch, ctx: Any) -> Batch:
     """Stage function of a data_load node: the next batch of this rank's shard."""
     if ctx.loader is None:
-        raise RuntimeError("this worker has no loader: the data node must be the first stage")
+        raise DatasetError(f"node {ctx.stage.id!r} has no loader: give it `data` (source, batch_size, ...) and "
+                           "make it the first stage")
     return ctx.loader.next_batch()

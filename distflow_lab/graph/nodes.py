@@ -67,8 +67,6 @@ class Node(BaseModel):
 
     @model_validator(mode="after")
     def _data_only_on_loaders(self) -> "Node":
-        if self.type == "data_load" and self.data is None:
-            raise ValueError("a data_load node needs `data` (source, batch_size, ...)")
         if self.type != "data_load" and self.data is not None:
             raise ValueError(f"`data` belongs to data_load nodes; this node's type is {self.type!r}")
         return self

@@ -243,7 +243,7 @@ class TrainEngine:
             raise ValueError("empty global batch")
         denom = max(g_count, 1.0)
         plan = self._plan(batch["attention_mask"])
-        loss_sum, weight_sum, metric_sums = 0.0, 0.0, {}
+        total, weight_sum, metric_sums = 0.0, 0.0, {}
         for idx in plan:
             w = 0.0 if idx is None else 1.0
             mb = self._micro(batch, idx)
@@ -252,13 +252,13 @@ class TrainEngine:
             loss_mat, mask, metrics = loss_fn(mb, lp, third)
             contrib = loss_sum(loss_mat, mask, loss_agg_mode) * (w / denom)
             (contrib * self.grad_scale).backward()
-            loss_sum += float(contrib.detach())
+            total += float(contrib.detach())
             k = float(mask.sum()) * w
             weight_sum += k
             for key, v in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + float(v) * k
         keys = sorted(metric_sums)
-        packed = self._all_reduce(torch.tensor([loss_sum, weight_sum, *[metric_sums[k] for k in keys]], dtype=torch.float64))
+        packed = self._all_reduce(torch.tensor([total, weight_sum, *[metric_sums[k] for k in keys]], dtype=torch.float64))
         tot = max(float(packed[1]), 1e-12)
         result = {"loss": float(packed[0]), "n_tokens": g_tokens, "n_micro": float(len(plan))}
         result.update({k: float(packed[2 + i]) / tot for i, k in enumerate(keys)})

@@ -79,7 +79,7 @@ def ablation_figure(df: pd.DataFrame, value: str = "median", lo: str | None = No
     errors = lo in df.columns and hi in df.columns
     batches = [f"batch {b}" for b in sorted(df["batch"].unique())]
     fig = go.Figure()
-    for i, rung in enumerate(dict.fromkeys(df["rung"].tolist())):  # the ladder's order, as measured
+    for i, rung in enumerate(sorted(set(df["rung"]))):  # rungs are named "O1 ...", "O2 ...": the ladder order
         part = df[df["rung"] == rung].sort_values("batch")
         error = dict(type="data", symmetric=False, array=(part[hi] - part[value]).clip(lower=0).tolist(),
                      arrayminus=(part[value] - part[lo]).clip(lower=0).tolist(), thickness=1.2) if errors else None

@@ -69,7 +69,7 @@ class Controller:
         self._step_t0 = 0.0
         self._inflight: list = []  # the refs of the last gather, awaited (bounded) after a failure
         first = self.plan.stages[0]
-        if first.type == "data_load":  # bad data fails here, before any worker starts
+        if first.type == "data_load" and first.data is not None:  # bad data fails here, before any worker starts
             check_data_node(first.data, first.dp)
         if not ray.is_initialized():
             from distflow_lab.runtime.cluster import connect
@@ -114,8 +114,8 @@ class Controller:
         nodes = self.placement.worker_nodes
         addr = "127.0.0.1" if len(set(nodes)) == 1 else node_ip(nodes[0])
         # collectives may wait for a peer that is one stage behind: allow more than a stage
-        timeout = 2 * c.stage_timeout_s + 60
-        self._gather([w.init_process_group.remote(addr, free_port(), backend, timeout) for w in self.workers], -1,
+        timeout, port = 2 * c.stage_timeout_s + 60, free_port()
+        self._gather([w.init_process_group.remote(addr, port, backend, timeout) for w in self.workers], -1,
                      "init_process_group", SETUP_STAGES * c.stage_timeout_s)
 
     @property
@@ -272,7 +272,9 @@ class Controller:
                                    stage=stage, worker=late[0])
             self._check(ready[0], step, stage, index[ready[0]])
         out = ray.get(refs, timeout=60)
-        self.metadata_bytes += sum(len(pickle.dumps(o)) for o in out)
+        # what the driver received, counted as pickled bytes (a data plane's handoff is object refs, never pickled
+        # here: pickling a ref out of band pins its object for good)
+        self.metadata_bytes += sum(len(pickle.dumps(o[0] if isinstance(o, tuple) else o)) for o in out)
         return out
 
     def _check(self, ref, step: int, stage: str, worker: int) -> None:

@@ -80,7 +80,7 @@ class DAGWorker:
         self.groups = self._layout_groups()
         self.port = s.plane.bind(self.rank, self.rec)
         first = self.plan.stages[0]
-        if first.type == "data_load" and s.plane.loads_data:
+        if first.type == "data_load" and first.data is not None and s.plane.loads_data:
             self.loader = make_loader(first.data, first.dp_rank(self.rank), first.dp, s.seed)
         if s.engines is not None:
             self.engines = resolve_function(s.engines, node="engines")(self._ctx(0, first), s.config) or {}
