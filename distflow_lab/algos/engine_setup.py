@@ -44,10 +44,11 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> dict[str, Any]:
     hf = cfg.rollout.engine == "hf"
     shared = hf and not actor.distributed  # 1 worker: generate with the actor's own module
     gen_model = actor.model if shared else (load_model_dir(cfg.model.path, dtype=dtype)[0] if hf else None)
+    vllm_args = {} if hf else {"dtype": cfg.model.dtype, "seed": cfg.seed}  # the rest comes from cfg.rollout
     engines: dict[str, Any] = {
         "tokenizer": tokenizer, "actor": actor, "ref": ref,
         "rollout": make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
-                                cfg.data.max_prompt_len, model_path=cfg.model.path),
+                                cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args),
         "sync": WeightSync(shared=shared), "reward_fn": make_reward_fn(cfg.reward),
     }
     if cfg.algorithm.name == "ppo":
@@ -55,6 +56,10 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> dict[str, Any]:
         engines["critic"] = TrainEngine(critic, cfg.critic,
                                         process_group=ctx.groups.get("critic_update"),
                                         micro_token_budget=cfg.critic.micro_token_budget, critic=True)
+    if hasattr(engines["rollout"], "sleep"):  # vLLM beside FSDP2: it sleeps whenever a trainer computes
+        for name in ("actor", "ref", "critic"):
+            if name in engines:
+                engines[name].before_compute.append(engines["rollout"].sleep)
     return engines
 
 
@@ -69,10 +74,20 @@ def make_reward_fn(opts: RewardOptions) -> Callable[[str, str, str], float]:
 
 
 def sync_weights(ctx: StageContext) -> None:
-    """Push the actor's latest weights into the rollout engine if an update made them stale."""
+    """Push the actor's latest weights into the rollout engine if an update made them stale, or the
+    engine discarded its own (vLLM's level-2 sleep). The "weight_sync" span records the seconds,
+    the bytes gathered (each tensor once) and the tensors sent. Collective under FSDP: every
+    worker runs the rollout stage."""
     sync: WeightSync = ctx.engines["sync"]
-    if sync.shared or not sync.stale:
+    rollout, actor = ctx.engines["rollout"], ctx.engines["actor"]
+    if sync.shared or not (sync.stale or getattr(rollout, "needs_weights", False)):
         return
-    with ctx.span("weight_sync"):
-        ctx.engines["rollout"].load_weights(ctx.engines["actor"].full_state_dict())  # gathers FSDP shards
+    stats = {"bytes": 0, "tensors": 0}
+    with ctx.span("weight_sync") as span:
+        if getattr(rollout, "streams_weights", False):  # vLLM: bounded buckets, on the GPU, no host copy
+            rollout.load_weights(actor.weight_buckets(rollout.bucket_bytes, dtype=rollout.weight_dtype, stats=stats))
+        else:  # HF: its own module copy takes a full (CPU) state dict
+            rollout.load_weights(actor.full_state_dict(stats=stats))
+        if span is not None:
+            span.bytes, span.items = stats["bytes"], stats["tensors"]
     sync.stale = False

@@ -221,6 +221,22 @@ class DataOptions(Strict):
     """Where generated (arithmetic) and converted (GSM8K) parquet files go. Relative: under the cache dir."""
 
 
+class VLLMOptions(Strict):
+    """The vLLM engine (rollout.engine: vllm). vLLM runs inside every DAG worker, beside the FSDP2
+    trainer on the same GPU, so its memory is a share of the GPU (README, "GPU")."""
+
+    gpu_memory_utilization: float = Field(default=0.5, gt=0, lt=1)
+    """Share of the GPU's total memory vLLM may take (weights, activations, KV cache); that much must be free when it starts."""
+    kv_cache_gib: float | None = Field(default=None, gt=0)
+    """KV cache per GPU in GiB (vLLM's kv_cache_memory_bytes); None: whatever gpu_memory_utilization leaves after weights and activations."""
+    enable_sleep_mode: bool = True
+    """Free vLLM's weights and KV cache while the trainer runs (sleep level 2); the next weight sync refills the weights."""
+    enforce_eager: bool = False
+    """No CUDA graphs: faster start-up and less memory, slower decoding."""
+    weight_sync_bucket_mib: int = Field(default=512, ge=1)
+    """Weight sync gathers and loads at most this many MiB of parameters at a time (a larger single tensor goes alone)."""
+
+
 class RolloutOptions(Strict):
     """Sampling settings, shared by the HF and vLLM rollout engines."""
 
@@ -241,14 +257,17 @@ class RolloutOptions(Strict):
     max_response_len: int = Field(default=8, ge=1)
     """R: new tokens at most; responses are right-padded to R."""
     micro_batch: int = Field(default=256, ge=1)
-    """Sequences per generate() call."""
+    """Sequences per generate() call (HF); vLLM: the most sequences it decodes at once (max_num_seqs)."""
     tp: int = Field(default=1, ge=1)
-    """Tensor-parallel size of the rollout layout (dp = world_size // tp)."""
+    """Tensor-parallel size of the rollout layout (dp = world_size // tp); vLLM shards each engine over its tp consecutive workers."""
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
+    """vLLM engine settings (memory, sleep mode, weight-sync buckets); unused by the hf engine."""
 
     @model_validator(mode="after")
     def _greedy_single(self) -> "RolloutOptions":
         if not self.do_sample and self.n > 1:
-            raise ValueError(f"greedy decoding (do_sample=false) gives n={self.n} identical responses; set n=1")
+            raise ValueError(f"n={self.n} with do_sample=false: greedy decoding gives {self.n} identical responses "
+                             "(and vLLM rejects it); set n=1 or do_sample=true")
         return self
 
 

@@ -26,11 +26,20 @@ Lock-step: every forward/backward of a sharded model runs collectives, so all ra
 must run the same number. The micro-batch count is all-reduced (MAX); ranks with fewer
 run dummy micro-batches: one row (their first, or an all-pad row if they have none)
 whose loss is multiplied by 0, adding nothing to the gradient.
+
+Memory on a GPU. A sharded model is never whole on the device: `fully_shard` moves each
+decoder block to the device as it shards it (then the root's embeddings/head), so the peak is
+one full block beside the shards. The LM head's [tokens, vocab] logits are built
+`logits_chunk` tokens at a time (`head_token_stats`; under grad each chunk is checkpointed and
+recomputed in backward), never for a whole micro-batch: with a 152k vocabulary, 16k tokens
+of fp32 logits are 10 GB. Weight sync streams bounded buckets (`weight_buckets`).
 """
 from __future__ import annotations
 
 import math
 import os
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -45,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from distflow_lab.core.config import Optim
 from distflow_lab.models.token_ops import (LOSS_AGG_MODES, entropy_from_logits, log_probs_from_logits, loss_count,
@@ -78,6 +88,33 @@ def sft_loss_fn(micro: dict[str, Tensor], log_probs: Tensor | None, _: Tensor | 
     return -log_probs, micro["response_mask"], {}
 
 
+def _chunk_stats(head: torch.nn.Module, temperature: float, with_entropy: bool, hidden: Tensor,
+                 labels: Tensor) -> tuple[Tensor, Tensor | None]:
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return log_probs_from_logits(logits, labels), entropy_from_logits(logits) if with_entropy else None
+
+
+def head_token_stats(head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float = 1.0,
+                     chunk: int = 1024, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log p(labels) and optionally the entropy, [b, t] float32, from final hidden states [b, t, H]
+    through the LM head, `chunk` tokens at a time: at most [chunk, vocab] logits exist at once.
+    With grad enabled each chunk is checkpointed, so backward keeps only the hidden states and
+    recomputes a chunk's logits when it gets there."""
+    b, t, H = hidden.shape
+    flat_h, flat_y = hidden.reshape(b * t, H), labels.reshape(b * t)
+    fn = lambda h, y: _chunk_stats(head, temperature, with_entropy, h, y)  # noqa: E731
+    lps, ents = [], []
+    for s in range(0, b * t, chunk):
+        h, y = flat_h[s : s + chunk], flat_y[s : s + chunk]
+        lp, ent = checkpoint(fn, h, y, use_reentrant=False) if torch.is_grad_enabled() else fn(h, y)
+        lps.append(lp)
+        ents.append(ent)
+    cat = lambda xs: torch.cat(xs).reshape(b, t) if xs else hidden.new_zeros((b, t), dtype=torch.float32)  # noqa: E731
+    return cat(lps), cat(ents) if with_entropy else None
+
+
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -98,26 +135,34 @@ class TrainEngine:
         critic: force actor/critic mode; None = critic iff the class is *ForTokenClassification.
         mixed_precision: FSDP2 param dtype (e.g. torch.bfloat16 on GPU); grads reduce in float32.
         gradient_checkpointing: recompute activations in backward (HF, non-reentrant).
+        logits_chunk: tokens whose full-vocab logits exist at once in the log-prob forward.
+
+    `before_compute`: callables run before every forward or backward pass (e.g. putting a
+    colocated vLLM engine to sleep, so training gets its memory).
     """
 
     def __init__(self, model: torch.nn.Module, optim: Optim | None = None, process_group: dist.ProcessGroup | None = None,
                  micro_token_budget: int = 4096, use_fsdp: bool = True, device: torch.device | str | None = None,
                  temperature: float = 1.0, critic: bool | None = None, mixed_precision: torch.dtype | None = None,
-                 gradient_checkpointing: bool = False):
+                 gradient_checkpointing: bool = False, logits_chunk: int = 1024):
         self.device = torch.device(device) if device is not None else _default_device()
         self.distributed = use_fsdp and dist.is_available() and dist.is_initialized()
         self.group = (process_group or dist.group.WORLD) if self.distributed else None
         self.world = dist.get_world_size(self.group) if self.distributed else 1
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.budget, self.temperature, self.optim_cfg = micro_token_budget, temperature, optim
+        self.logits_chunk = logits_chunk
+        self.before_compute: list[Callable[[], None]] = []
         self.is_critic = type(model).__name__.endswith("ForTokenClassification") if critic is None else critic
         trainable = optim is not None
-        model.to(self.device).requires_grad_(trainable).train(trainable)
+        model.requires_grad_(trainable).train(trainable)
         if trainable and gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.grad_scale = 1.0  # multiplies each contribution; the world size if FSDP2 must average
         if self.distributed:
-            self._shard(model, mixed_precision)
+            self._shard(model, mixed_precision)  # moves to the device shard by shard, never whole
+        else:
+            model.to(self.device)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                            weight_decay=optim.weight_decay) if trainable else None
@@ -127,6 +172,8 @@ class TrainEngine:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # fully_shard moves each unit to the mesh's current device
         mesh = DeviceMesh.from_group(self.group, self.device.type)
         mp = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32 if mixed_precision else None)
         # Decoder blocks are the HF "no split" classes; each becomes one all-gather unit.
@@ -186,18 +233,35 @@ class TrainEngine:
             v = self.model(**kw).logits[..., 0].float()[:, P - 1 - lo : hi - 1 - lo]  # value of the state before token t
             out, ent = torch.where(rmask, v, 0.0), None
         else:
-            # logits_to_keep: only the last k+1 positions reach the LM head (the [V]-wide part);
-            # position P+t-1 predicts response token t, the very last position predicts nothing.
-            logits = self.model(**kw, logits_to_keep=k + 1).logits[:, :-1].float()
-            if self.temperature != 1.0:
-                logits = logits / self.temperature
-            out = torch.where(rmask, log_probs_from_logits(logits, mb["responses"][:, :k]), 0.0)
-            ent = torch.where(rmask, entropy_from_logits(logits), 0.0) if with_entropy else None
+            lp, ent = self._response_stats(kw, mb["responses"][:, :k], with_entropy)
+            out = torch.where(rmask, lp, 0.0)
+            ent = torch.where(rmask, ent, 0.0) if with_entropy else None
         pad = lambda x: F.pad(x, (0, R - k)) if x is not None else None  # noqa: E731
         return pad(out), pad(ent)
 
+    def _response_stats(self, kw: dict[str, Tensor], labels: Tensor, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (and entropy) [b, k] of the k response tokens `labels`: position P+t-1 predicts
+        token t, so the last k+1 hidden states but the very last reach the head, in chunks. They are
+        taken from the decoder's output by a hook, inside the model's forward, where FSDP2 holds the
+        root's (embedding / LM head) weights gathered; the model's own head sees one position only."""
+        k, stats = labels.shape[1], {}
+
+        def on_decoder_output(_module: torch.nn.Module, _args: tuple, output: object) -> None:
+            hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+            stats["out"] = head_token_stats(self.model.get_output_embeddings(), hidden[:, -(k + 1) : -1], labels,
+                                            self.temperature, self.logits_chunk, with_entropy)
+
+        handle = self.model.get_decoder().register_forward_hook(on_decoder_output)
+        try:
+            self.model(**kw, logits_to_keep=1)
+        finally:
+            handle.remove()
+        return stats["out"]
+
     @torch.no_grad()
     def _forward_all(self, batch: dict[str, Tensor], with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        for fn in self.before_compute:
+            fn()
         out = torch.zeros(batch["responses"].shape)
         ent = torch.zeros(batch["responses"].shape) if with_entropy else None
         for idx in self._plan(batch["attention_mask"]):
@@ -242,6 +306,8 @@ class TrainEngine:
         if g_rows == 0:
             raise ValueError("empty global batch")
         denom = max(g_count, 1.0)
+        for fn in self.before_compute:
+            fn()
         plan = self._plan(batch["attention_mask"])
         total, weight_sum, metric_sums = 0.0, 0.0, {}
         for idx in plan:
@@ -290,17 +356,58 @@ class TrainEngine:
                 for n, p in self.model.named_parameters() if p.grad is not None}
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Full parameters/buffers (HF names) on CPU on EVERY rank, gathered one tensor at a
-        time; collective under FSDP. The input of `HFRollout/VLLMRollout.load_weights`."""
-        out: dict[str, Tensor] = {}
-        seen: dict[int, Tensor] = {}  # tied weights (embed/lm_head) gathered once
-        for name, t in self.model.state_dict().items():
-            if id(t) not in seen:
+    def weight_buckets(self, bucket_bytes: int = 512 << 20, device: torch.device | str | None = None,
+                       dtype: torch.dtype | None = None, copy: bool = False,
+                       stats: dict[str, int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+        """Full parameters/buffers (HF names, state-dict order) in buckets of at most `bucket_bytes`
+        (a larger single tensor is a bucket alone), gathered one tensor at a time on EVERY rank:
+        collective under FSDP, so every rank must consume every bucket. Tensors stay on the engine's
+        device unless `device` is given, cast to `dtype` if given. Only the bucket being built is
+        held (plus a tied weight until its last name), so no step holds the whole model twice.
+        `stats`, if given, gets "bytes" (gathered, each tensor once) and "tensors" (names) added.
+        The input of `VLLMRollout.load_weights`."""
+        stats = stats if stats is not None else {}
+        stats.setdefault("bytes", 0)
+        stats.setdefault("tensors", 0)
+        # Tied names (embed/lm_head) share one Parameter object: the module structure says so the
+        # same way on every rank, so every rank gathers the same tensors in the same order.
+        first: dict[int, str] = {}
+        owner = {name: first.setdefault(id(t), name) for name, t in
+                 [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]}
+        items = list(self.model.state_dict().items())
+        names_left = Counter(owner.get(name, name) for name, _ in items)
+        tied: dict[str, Tensor] = {}  # gathered once, kept until its last name
+        bucket: list[tuple[str, Tensor]] = []
+        size = 0
+        for name, t in items:
+            key = owner.get(name, name)
+            full = tied.get(key)
+            if full is None:
                 full = t.full_tensor() if isinstance(t, DTensor) else t
-                seen[id(t)] = full.detach().to("cpu", copy=True)
-            out[name] = seen[id(t)]
-        return out
+                full = full.detach().to(device=device or full.device, dtype=dtype or full.dtype, copy=copy)
+                stats["bytes"] += full.numel() * full.element_size()
+                if names_left[key] > 1:
+                    tied[key] = full
+            names_left[key] -= 1
+            if names_left[key] == 0:
+                tied.pop(key, None)
+            nbytes = full.numel() * full.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, full))
+            size += nbytes
+            stats["tensors"] += 1
+        if bucket:
+            yield bucket
+
+    @torch.no_grad()
+    def full_state_dict(self, stats: dict[str, int] | None = None) -> dict[str, Tensor]:
+        """Full parameters/buffers (HF names) as CPU copies on EVERY rank, gathered one tensor at a
+        time (tied weights share one tensor); collective under FSDP. The input of
+        `HFRollout.load_weights`; `stats` as in `weight_buckets`."""
+        buckets = self.weight_buckets(bucket_bytes=math.inf, device="cpu", copy=True, stats=stats)
+        return {name: t for bucket in buckets for name, t in bucket}
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write full (unsharded) state dicts `model.pt` (+ `optim.pt`) from rank 0 with torch.save.

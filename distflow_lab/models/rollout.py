@@ -12,8 +12,9 @@ from distflow_lab.models.rollout_hf import HFRollout
 
 def make_rollout(model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
                  max_prompt_len: int, model_path: str | None = None, **engine_kwargs: Any):
-    """The engine `opts.engine` names: "hf" wraps `model`; "vllm" loads `model_path`
-    (a local HF checkpoint directory) into vLLM, with `engine_kwargs` for `vllm.LLM`."""
+    """The engine `opts.engine` names: "hf" wraps `model`; "vllm" loads `model_path` (a local HF
+    checkpoint directory) into vLLM. `engine_kwargs` go to `VLLMRollout` (`dtype`, `seed`, and any
+    `vllm.LLM` keyword over those `opts` give); the hf engine takes none."""
     if opts.engine == "hf":
         if model is None:
             raise ValueError("the hf rollout needs a model object")

@@ -1,129 +1,308 @@
-"""vLLM rollout adapter with the same `generate(prompt_ids, prompt_mask, seed)` contract as HFRollout.
+"""vLLM rollout beside the FSDP2 trainer, with `HFRollout`'s `generate(prompt_ids, prompt_mask, seed)`
+contract and column layout (sequences.py).
 
-UNTESTED ON THIS MACHINE: vLLM needs a CUDA GPU and the `[gpu]` extra
-(`pip install distflow_lab[gpu]`), neither of which the CPU development box has.
-Written against vLLM's offline API as of v0.10/v0.11 (V1 engine):
+UNTESTED ON A GPU: vLLM needs CUDA and the `[gpu]` extra, which the CPU machines this project is
+developed on do not have. The pure parts (engine and sampling arguments, seeds, output assembly,
+the sleep / wake / weight-sync order against stand-in objects) are covered by tests/test_vllm_logic.py;
+`scripts/gpu_check.sh` is the first thing to run on a GPU.
 
-  * `vllm.LLM(model=dir, ...)`, `llm.generate(prompts=[{"prompt_token_ids": ids}], sampling_params)`
-    (a TokensPrompt dict, so our left-padding-free token ids go in unchanged, no re-tokenization);
-  * `vllm.SamplingParams(n, temperature, top_p, top_k, max_tokens, seed, stop_token_ids, logprobs)`;
-  * weight sync through the documented `LLM.apply_model(func)` (runs `func(model)` inside
-    every worker, returns one result per worker), calling the vLLM model's own
-    `load_weights(weights=iterable of (name, tensor))`, which understands HF checkpoint
-    names (it fuses q/k/v and gate/up itself). With the V1 multiprocess engine the
-    function is pickled to the engine-core process, which vLLM refuses unless
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set here before the engine starts, since the
-    callables are our own). Older in-process (V0) engines without `apply_model` fall back
-    to `llm.llm_engine.model_executor.driver_worker.model_runner.model`.
+How it runs (the colocated layout of TRL's colocate mode and verl's FSDP workers):
 
-Shipping a state dict through apply_model pickles every tensor: fine for small models.
-For multi-GB policies use a worker extension + NCCL broadcast or CUDA IPC (vLLM's
-examples/offline_inference/rlhf*.py); the signature of `load_weights` here stays.
+* One engine per DAG worker, IN this process, with `distributed_executor_backend="external_launcher"`
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0` too). vLLM joins the torch.distributed world the trainer already
+  set up (RANK, LOCAL_RANK, MASTER_ADDR/PORT) and makes its tensor-parallel groups of `rollout.tp`
+  consecutive ranks: exactly the workers that share one rollout dp rank here, which get the same
+  prompts and the same seed, so the ranks of a group run the same requests.
+* Memory: `gpu_memory_utilization` / `kv_cache_gib` bound vLLM; with sleep mode the engine sleeps at
+  level 2 (weights and KV cache freed, no host copy) from start-up until the first rollout and
+  whenever a trainer computes (`engine_setup` hangs `sleep` on the TrainEngines' `before_compute`),
+  so a stage may generate several times (DAPO's dynamic sampling) before training. Level 2 discards
+  the weights, so `needs_weights` turns True and the next sync refills them
+  (`algos/engine_setup.sync_weights` checks it).
+* Weight sync: HF-named tensors arrive in bounded buckets (`TrainEngine.weight_buckets`, gathered one
+  tensor at a time on the GPU); each bucket goes by reference to the model's own `load_weights` (it
+  fuses q/k/v and gate/up and slices for its TP rank). No pickling, no host copy. The prefix cache is
+  reset after every sync.
+
+vLLM sources this is written against (checked in the sdists of 0.10.2 and 0.33.0, the bounds of the
+`gpu` extra):
+
+* vllm/entrypoints/llm.py: `LLM(model, **EngineArgs)`, `generate(prompts, sampling_params=[one per
+  prompt], use_tqdm=False)` (outputs in request order), `apply_model(fn)` (in process: `fn(model)`
+  gets the nn.Module itself), `sleep(level)`, `wake_up(tags)`, `reset_prefix_cache()`.
+* vllm/engine/arg_utils.py: tensor_parallel_size, dtype, seed, max_model_len, max_num_seqs,
+  gpu_memory_utilization, kv_cache_memory_bytes, enable_sleep_mode, enable_prefix_caching,
+  enforce_eager, skip_tokenizer_init, logprobs_mode, distributed_executor_backend.
+* vllm/config/parallel.py, vllm/v1/executor/uniproc_executor.py (ExecutorWithExternalLauncher) and
+  vllm/distributed/parallel_state.py (init_distributed_environment reuses an initialised world;
+  `destroy_model_parallel` frees the TP groups and leaves the world group to its owner).
+* vllm/sampling_params.py: n, temperature (0..2; 0 is greedy and needs n=1), top_p, top_k (0 = off),
+  max_tokens, seed, stop_token_ids, ignore_eos, logprobs, detokenize.
+* vllm/v1/engine/parallel_sampling.py: sample k of a seeded request runs on `seed + k`.
+* vllm/v1/core/sched/utils.py (check_stop): a stop token id ends a request even with ignore_eos, and
+  stays in `token_ids`.
+* vllm/outputs.py, vllm/logprobs.py: `RequestOutput.outputs[*].index / token_ids / logprobs` (one
+  {token_id: Logprob} per generated token; `FlatLogprobs` iterates the same way).
+* vllm/v1/worker/gpu_worker.py: `sleep(level=2)` keeps the buffers (rotary caches) and restores them
+  on wake-up; the parameters must be reloaded.
+* vllm/model_executor/models/qwen2.py: `load_weights(weights: Iterable[(hf_name, tensor)])`.
 """
 from __future__ import annotations
 
 import functools
+import gc
 import os
-from typing import Any, Iterable
+import re
+import socket
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from distflow_lab.core.config import RolloutOptions
+from distflow_lab.core.errors import ConfigError
 from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
 
+SUPPORTED = ((0, 10, 2), (0, 34, 0))  # [low, high): the range of the `gpu` extra in pyproject.toml
+ROW_SEEDS = 1 << 24  # seeds per generate call: one per response row
 _NEEDS_GPU = (
     "the vLLM rollout needs vLLM, which needs the `[gpu]` extra (pip install 'distflow_lab[gpu]') "
     "and a CUDA GPU; use make_rollout('hf', ...) on CPU"
 )
+Tensor = torch.Tensor
+Bucket = Sequence[tuple[str, Tensor]]
 
 
-def _load_into(weights: list[tuple[str, torch.Tensor]], model: Any) -> int:
-    """Runs inside a vLLM worker: load HF-named weights into vLLM's model. Module-level so it pickles."""
-    loaded = model.load_weights(weights=iter(weights))
-    return len(loaded) if loaded is not None else len(weights)
+# ---------------------------------------------------------------- pure parts (tested on CPU)
+def engine_kwargs(opts: RolloutOptions, max_prompt_len: int, dtype: str, seed: int) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments for `opts` (all of them EngineArgs fields)."""
+    v = opts.vllm
+    kw: dict[str, Any] = dict(
+        tensor_parallel_size=opts.tp, distributed_executor_backend="external_launcher", dtype=dtype,
+        seed=seed, max_model_len=max_prompt_len + opts.max_response_len, max_num_seqs=opts.micro_batch,
+        gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=v.enable_sleep_mode,
+        enable_prefix_caching=True, enforce_eager=v.enforce_eager,
+        skip_tokenizer_init=True,  # token ids in, token ids out: vLLM never needs the tokenizer
+    )
+    if v.kv_cache_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(v.kv_cache_gib * (1 << 30))
+    if opts.log_probs:  # after temperature (and top-k/top-p), like the trainer's logits / T
+        kw["logprobs_mode"] = "processed_logprobs"
+    return kw
+
+
+def request_seeds(seed: int, n_prompts: int, n: int) -> list[int]:
+    """One seed per prompt. vLLM runs sample k of a request on its seed + k, so prompt i's seed is
+    (seed mod 2^32) * 2^24 + i * n: every response row of a call, and every call seed, gets a stream
+    of its own (a single batch seed would give every prompt the same n streams)."""
+    if n_prompts * n > ROW_SEEDS:
+        raise ValueError(f"{n_prompts} prompts x n={n} is more than {ROW_SEEDS} rows per generate call")
+    base = (seed % (1 << 32)) * ROW_SEEDS
+    return [base + i * n for i in range(n_prompts)]
+
+
+def sampling_kwargs(opts: RolloutOptions, eos_id: int, seed: int) -> dict[str, Any]:
+    """`vllm.SamplingParams` keyword arguments for one prompt.
+
+    Stops exactly where HFRollout stops: on the tokenizer's eos only (ignore_eos drops vLLM's own eos
+    and the checkpoint's generation_config eos ids; stop_token_ids still ends the request and keeps
+    the eos in the output). No checkpoint sampling defaults apply: every field is given.
+    """
+    kw: dict[str, Any] = dict(
+        n=opts.n, max_tokens=opts.max_response_len, seed=seed, stop_token_ids=[eos_id], ignore_eos=True,
+        detokenize=False, logprobs=0 if opts.log_probs else None,  # 0: the sampled token's log-prob only
+    )
+    if opts.do_sample:
+        kw.update(temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k)  # top_k 0 = off
+    else:
+        kw.update(temperature=0.0)  # greedy; the config guarantees n == 1
+    return kw
+
+
+def assemble_outputs(outputs: Sequence[Any], prompt_ids: Tensor, prompt_mask: Tensor, n: int, max_response_len: int,
+                     eos_id: int, pad_id: int, log_probs: bool) -> dict[str, Tensor]:
+    """`RequestOutput`s (one per prompt, in prompt order) -> HFRollout's columns, rows i*n .. i*n+n-1
+    for prompt i in sample-index order. Token ids past `max_response_len` are cut; positions after
+    the first eos are padding; `rollout_log_probs` only when `log_probs`."""
+    B, R = prompt_ids.shape[0], max_response_len
+    if len(outputs) != B:
+        raise ValueError(f"vLLM returned {len(outputs)} request outputs for {B} prompts")
+    responses = torch.full((B * n, R), pad_id, dtype=torch.long)
+    valid = torch.zeros((B * n, R), dtype=torch.bool)
+    logps = torch.zeros((B * n, R), dtype=torch.float32) if log_probs else None
+    for i, req in enumerate(outputs):
+        samples = sorted(req.outputs, key=lambda o: o.index)
+        if [s.index for s in samples] != list(range(n)):
+            raise ValueError(f"prompt {i}: vLLM returned samples {[s.index for s in samples]}, expected 0..{n - 1}")
+        for s in samples:
+            r, ids = i * n + s.index, list(s.token_ids)[:R]
+            responses[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            valid[r, : len(ids)] = True
+            if logps is not None:
+                if s.logprobs is None or len(s.logprobs) < len(ids):
+                    raise ValueError(f"prompt {i} sample {s.index}: vLLM returned no log-prob for every token "
+                                     "although rollout.log_probs is on")
+                logps[r, : len(ids)] = torch.tensor([pos[t].logprob for t, pos in zip(ids, s.logprobs)])
+    response_mask = response_mask_from_eos(responses, eos_id, valid)
+    responses = torch.where(response_mask.bool(), responses, pad_id)
+    cols = assemble_columns(prompt_ids.long().cpu().repeat_interleave(n, dim=0),
+                            prompt_mask.long().cpu().repeat_interleave(n, dim=0), responses, response_mask)
+    if logps is not None:
+        cols["rollout_log_probs"] = logps * response_mask
+    return cols
+
+
+def _load_bucket(bucket: Bucket, model: torch.nn.Module) -> int:
+    """Runs on vLLM's model (in this process): HF names, fused and TP-sliced by the model itself."""
+    with torch.no_grad():
+        model.load_weights(weights=bucket)
+    return len(bucket)
+
+
+# ---------------------------------------------------------------- the engine (GPU only)
+def _import_vllm() -> Any:
+    if not torch.cuda.is_available():
+        raise RuntimeError(_NEEDS_GPU + " (no CUDA device visible)")
+    try:
+        import vllm  # lazy: the package imports without vLLM
+    except ImportError as e:
+        raise RuntimeError(_NEEDS_GPU + f" (import vllm failed: {e})") from e
+    found = tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:3])
+    if not SUPPORTED[0] <= found < SUPPORTED[1]:
+        warnings.warn(f"vLLM {vllm.__version__} is outside the checked range {SUPPORTED}: the rollout may break",
+                      stacklevel=3)
+    return vllm
+
+
+def _external_launcher_env(tp: int) -> None:
+    """What vLLM's external launcher reads, set the way the DAG worker set up torch.distributed."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: no pickling, no copy
+    if "LOCAL_RANK" not in os.environ:  # Ray gives each worker one visible GPU: its index here
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        if world % tp:
+            raise ConfigError(f"rollout.tp={tp} does not divide the {world} torch.distributed ranks")
+        if int(os.environ.get("RANK", -1)) != dist.get_rank() or "MASTER_PORT" not in os.environ:
+            raise RuntimeError("vLLM's external launcher needs RANK, MASTER_ADDR and MASTER_PORT of the "
+                               "torch.distributed world (the DAG worker sets them)")
+        return
+    if tp > 1:
+        raise ConfigError(f"rollout.tp={tp} needs torch.distributed over the workers (cluster.torch_distributed)")
+    with socket.socket() as s:  # one process, no torch.distributed (a notebook): a world of one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 class VLLMRollout:
-    """Offline vLLM engine producing the same columns as `HFRollout.generate`.
+    """vLLM producing `HFRollout.generate`'s columns; sleeps while the trainers compute.
 
-    `model_path` is a local HF checkpoint directory (e.g. `save_model_dir` output);
-    `llm_kwargs` go to `vllm.LLM` (gpu_memory_utilization, tensor_parallel_size, dtype...).
+    `model_path` is a local HF checkpoint directory; `dtype` and `seed` are the run's; `llm_kwargs`
+    override `engine_kwargs(...)` for `vllm.LLM`.
     """
 
+    streams_weights = True  # sync_weights streams buckets here instead of building a full state dict
+
     def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions, max_prompt_len: int,
-                 **llm_kwargs: Any):
-        if not torch.cuda.is_available():
-            raise RuntimeError(_NEEDS_GPU + " (no CUDA device visible)")
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # before the engine spawns
-        try:
-            import vllm  # lazy: the package must import without vLLM installed
-        except ImportError as e:
-            raise RuntimeError(_NEEDS_GPU + f" (import vllm failed: {e})") from e
-        self._vllm = vllm
-        self.tokenizer, self.cfg, self.max_prompt_len = tokenizer, opts, max_prompt_len
+                 dtype: str = "bfloat16", seed: int = 0, **llm_kwargs: Any):
+        vllm = _import_vllm()
+        _external_launcher_env(opts.tp)
+        kwargs = {**engine_kwargs(opts, max_prompt_len, dtype, seed), **llm_kwargs}
+        self._bind(vllm, vllm.LLM(model=str(model_path), **kwargs), tokenizer, opts, max_prompt_len, dtype)
+        self.sleep()  # the trainer gets the memory until the first rollout; the first sync refills it
+
+    @classmethod
+    def attach(cls, vllm: Any, llm: Any, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
+               max_prompt_len: int, dtype: str = "bfloat16") -> "VLLMRollout":
+        """Wrap an engine built elsewhere; it must run in this process (external launcher or
+        VLLM_ENABLE_V1_MULTIPROCESSING=0) and, for sleep mode, be awake."""
+        self = cls.__new__(cls)
+        self._bind(vllm, llm, tokenizer, opts, max_prompt_len, dtype)
+        return self
+
+    def _bind(self, vllm: Any, llm: Any, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
+              max_prompt_len: int, dtype: str) -> None:
+        self._vllm, self.llm, self.cfg, self.max_prompt_len = vllm, llm, opts, max_prompt_len
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-        c = self.cfg
-        llm_kwargs.setdefault("max_model_len", max_prompt_len + c.max_response_len)
-        # Prefix caching would serve KV blocks computed with stale weights after load_weights.
-        llm_kwargs.setdefault("enable_prefix_caching", False)
-        self.llm = vllm.LLM(model=str(model_path), **llm_kwargs)
+        if self.eos_id is None or self.pad_id is None:
+            raise ValueError("tokenizer needs both an eos and a pad token")
+        self.weight_dtype = getattr(torch, dtype)  # buckets are cast to vLLM's dtype before they are sent
+        self.bucket_bytes = opts.vllm.weight_sync_bucket_mib << 20
+        self.needs_weights = False  # True after a level-2 sleep: generate refuses until load_weights
+        self._asleep: set[str] = set()
 
-    def _sampling_params(self, seed: int) -> Any:
-        c = self.cfg
-        common: dict[str, Any] = dict(
-            n=c.n, max_tokens=c.max_response_len, seed=seed, stop_token_ids=[self.eos_id],
-            logprobs=0 if c.log_probs else None,  # 0 = only the sampled token's log-prob
-        )
-        if not c.do_sample:
-            return self._vllm.SamplingParams(temperature=0.0, **common)
-        # top_k: -1 disables it in every vLLM version (0 only in newer ones).
-        return self._vllm.SamplingParams(
-            temperature=c.temperature, top_p=c.top_p, top_k=c.top_k if c.top_k > 0 else -1, **common
-        )
+    # ---- memory: sleep while the trainers compute, wake what the next call needs
+    def sleep(self) -> None:
+        """Free the weights and the KV cache (level 2: no host copy) until the next load_weights;
+        called before the trainers compute. No-op without sleep mode, or when part of the engine is
+        asleep already."""
+        if not self.cfg.vllm.enable_sleep_mode or self._asleep:
+            return
+        self.llm.sleep(level=2)
+        self._asleep, self.needs_weights = {"weights", "kv_cache"}, True
 
+    def _wake(self, *tags: str) -> None:
+        todo = [t for t in tags if t in self._asleep]
+        if not todo:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # blocks the trainer's allocator still caches go back first
+        self.llm.wake_up(tags=todo)
+        self._asleep -= set(todo)
+
+    # ---- rollout
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
-        """Sample n responses per prompt; same columns and row order as `HFRollout.generate`.
-
-        vLLM schedules the whole batch itself (cfg.micro_batch is not used). The request
-        seed makes the result depend only on (inputs, seed) for a fixed vLLM build/GPU.
-        """
-        c, R = self.cfg, self.cfg.max_response_len
+    def generate(self, prompt_ids: Tensor, prompt_mask: Tensor, seed: int) -> dict[str, Tensor]:
+        """Sample n responses per prompt; HFRollout's columns and row order. vLLM schedules the
+        batch itself (at most rollout.micro_batch sequences at once). Same (inputs, seed, vLLM build,
+        GPU) -> same output: every prompt is seeded (`request_seeds`)."""
+        if self.needs_weights:
+            raise RuntimeError("vLLM's weights were discarded by sleep (level 2): load_weights first "
+                               "(algos.engine_setup.sync_weights does)")
+        self._wake("weights", "kv_cache")
+        c = self.cfg
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        outputs = self.llm.generate(prompts=requests, sampling_params=self._sampling_params(seed), use_tqdm=False)
-        rows = len(requests) * c.n
-        responses = torch.full((rows, R), self.pad_id, dtype=torch.long)
-        valid = torch.zeros((rows, R), dtype=torch.bool)
-        logps = torch.zeros((rows, R), dtype=torch.float32) if c.log_probs else None
-        for i, req in enumerate(outputs):  # outputs come back in request order
-            # completion .index is its sample number within the request: rows i*n .. i*n+n-1
-            for comp in sorted(req.outputs, key=lambda o: o.index):
-                r = i * c.n + comp.index
-                ids = list(comp.token_ids)[:R]  # includes the eos token when it stopped on it
-                responses[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                valid[r, : len(ids)] = True
-                if logps is not None and comp.logprobs is not None:
-                    # NOTE: vLLM's default logprobs_mode is "raw_logprobs" (before temperature);
-                    # pass LLM(logprobs_mode="processed_logprobs") to match the trainer's logits/T.
-                    for t, (tok, d) in enumerate(zip(ids, comp.logprobs)):
-                        logps[r, t] = d[tok].logprob
-        response_mask = response_mask_from_eos(responses, self.eos_id, valid)
-        responses = torch.where(response_mask.bool(), responses, self.pad_id)
-        prompts = prompt_ids.long().cpu().repeat_interleave(c.n, dim=0)
-        cols = assemble_columns(prompts, prompt_mask.long().cpu().repeat_interleave(c.n, dim=0), responses, response_mask)
-        if logps is not None:
-            cols["rollout_log_probs"] = logps * response_mask
-        return cols
+        params = [self._vllm.SamplingParams(**sampling_kwargs(c, self.eos_id, s))
+                  for s in request_seeds(seed, len(requests), c.n)]
+        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        return assemble_outputs(outputs, prompt_ids, prompt_mask, c.n, c.max_response_len, self.eos_id, self.pad_id,
+                                c.log_probs)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Push trainer weights (HF names, e.g. `TrainEngine.full_state_dict()`) into every vLLM worker."""
-        items = list(state_dict.items()) if isinstance(state_dict, dict) else list(state_dict)
-        items = [(k, v.detach().cpu()) for k, v in items]  # CPU tensors pickle without CUDA IPC
-        fn = functools.partial(_load_into, items)
-        if hasattr(self.llm, "apply_model"):
-            self.llm.apply_model(fn)
-        else:  # vLLM V0 in-process engine (< 0.8)
-            fn(self.llm.llm_engine.model_executor.driver_worker.model_runner.model)
-        if hasattr(self.llm, "reset_prefix_cache"):
-            self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+    # ---- weight sync
+    def load_weights(self, weights: Mapping[str, Tensor] | Iterable[Bucket]) -> int:
+        """Load HF-named weights: a state dict, or buckets of (name, tensor) pairs consumed one at a
+        time (`TrainEngine.weight_buckets`; collective under FSDP, so every rank must call this).
+        Resets the prefix cache (its KV came from the old weights). Returns the tensors loaded."""
+        buckets = [list(weights.items())] if isinstance(weights, Mapping) else weights
+        self._wake("weights")
+        loaded = 0
+        for bucket in buckets:
+            loaded += self.llm.apply_model(functools.partial(_load_bucket, bucket))[0]
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM could not reset its prefix cache after the weight sync (requests still running?)")
+        self.needs_weights = False
+        return loaded
+
+    def close(self) -> None:
+        """Shut the engine down and free its GPU memory; a new VLLMRollout can start in this process
+        (the torch.distributed world stays: it is the trainer's)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        del llm
+        try:
+            from vllm.distributed.parallel_state import destroy_model_parallel
+        except ImportError:  # a stand-in engine (tests): nothing of vLLM's to free
+            pass
+        else:
+            destroy_model_parallel()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
