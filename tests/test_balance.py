@@ -1,23 +1,36 @@
-"""Tests for distflow_lab.dataplane.partition (paper §6.4, Algorithm 1)."""
+"""Tests for distflow_lab.dataplane.partition and routing (paper §6.4, Algorithm 1;
+workload, group and mini-batch balancing; parity with verl's Karmarkar-Karp)."""
 from __future__ import annotations
 
 import heapq
+import importlib.util
 import itertools
+import os
 
 import numpy as np
 import pytest
 
+from distflow_lab.core.config import Balance
 from distflow_lab.dataplane.partition import (
+    DEFAULT_WORKLOAD,
     LoadStats,
+    balanced_lpt,
+    capacities,
     constrained_lpt,
     contiguous_split,
+    group_partition,
     karmarkar_karp,
     load_stats,
+    refine_swaps,
     validate_partition,
+    workload_coeffs,
+    workload_cost,
 )
+from distflow_lab.dataplane.routing import assign, item_groups, route
 
 PARTITIONERS = {
     "lpt": constrained_lpt,
+    "balanced": lambda lengths, k: [p.tolist() for p in balanced_lpt(lengths, k)],
     "kk": karmarkar_karp,
     "contiguous": lambda lengths, k: contiguous_split(len(lengths), k),
 }
@@ -229,13 +242,232 @@ def test_validate_partition_accepts_good_partition():
 
 def test_routing_handles_a_filtered_batch_with_uneven_counts():
     """A stage that drops rows leaves N not divisible by the consumers: counts differ by at most one."""
-    from distflow_lab.dataplane.routing import assign
-
     rng = np.random.default_rng(3)
     for n, k in [(7, 3), (10, 4), (33, 8)]:
         lengths = rng.integers(1, 100, n)
-        for policy in ("lpt", "kk", "none"):
-            parts = assign(lengths, k, policy)
+        for policy in ("lpt", "kk", "none", "workload", "group", "minibatch"):
+            parts = assign(lengths, k, policy, minibatches=2)
             sizes = [len(p) for p in parts]
             assert max(sizes) - min(sizes) <= 1, (policy, sizes)
             assert sorted(np.concatenate(parts).tolist()) == list(range(n))
+
+
+# ---- workload cost ------------------------------------------------------------------------------
+
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 256, "vocab_size": 100}
+
+
+def test_workload_coeffs_hand_computed():
+    # head_dim 16, q = 64, kv = 32. Per layer: q and o 2·64·64, k and v 2·64·32, SwiGLU 3·64·256 = 61,440
+    # parameters; 2 layers + LM head 100·64 = 129,280; x2 FLOPs per multiply-add. Attention: 2·2·64.
+    assert workload_coeffs(TINY) == (258_560, 256)
+    tiny_spec = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256}
+    assert workload_coeffs(tiny_spec) == (258_560 - 2 * 6400, 256)  # the project's TinySpec names; no vocab
+    mha = {"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}  # defaults: kv = q, ffn = 4h
+    assert workload_coeffs(mha) == (2 * (2 * 8 * 8 + 2 * 8 * 8 + 3 * 8 * 32), 2 * 8)
+    qwen25_7b = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                 "intermediate_size": 18944, "vocab_size": 152064}
+    a, b = workload_coeffs(qwen25_7b)
+    assert round(a / b) == 70455  # quadratic term matches the linear one at ~70k tokens
+    with pytest.raises(KeyError, match="hidden_size"):
+        workload_coeffs({"num_hidden_layers": 2})
+
+
+def test_workload_cost_hand_computed():
+    assert DEFAULT_WORKLOAD == (24576, 1)  # verl's calculate_workload: 24576·L + L²
+    assert workload_cost([1, 2, 10]).tolist() == [24577, 49156, 245860]
+    assert workload_cost([1, 2, 10]).dtype == np.int64  # whole units: LPT's exact integer path
+    assert workload_cost([3, 4], (258_560, 256)).tolist() == [3 * 1010 + 9, 4 * 1010 + 16]  # units of b
+    assert workload_cost([3, 4], (1, 0)).tolist() == [3, 4]  # tokens
+    assert workload_cost([3, 4], (0, 1)).tolist() == [9, 16]
+    with pytest.raises(ValueError, match="coefficients"):
+        workload_cost([1], (-1, 1))
+
+
+def test_workload_policy_balances_compute_not_tokens():
+    lengths = np.array([11, 9, 8, 7, 4, 1])
+    # tokens: {11, 8, 1} = {9, 7, 4} = 20 is optimal, but squared that is 186 vs 146;
+    # squared lengths: {11, 7, 1} = 171 vs {9, 8, 4} = 161 is optimal (tokens 19 / 21).
+    assert [p.tolist() for p in assign(lengths, 2, "lpt")] == [[0, 2, 5], [1, 3, 4]]
+    assert [p.tolist() for p in assign(lengths, 2, "workload", cost=(0, 1))] == [[0, 3, 5], [1, 2, 4]]
+    assert [p.tolist() for p in assign(lengths, 2, "workload", cost=(1, 0))] == [[0, 2, 5], [1, 3, 4]]
+
+
+# ---- refinement ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["uniform", "ties", "lognormal", "float"])
+def test_refinement_never_worse_than_lpt_and_keeps_counts(kind):
+    rng = np.random.default_rng(7)
+    for n, k in SWEEP + [(1024, 32), (4096, 64)]:
+        lengths = random_lengths(rng, n, kind)
+        lpt = load_stats(lengths, constrained_lpt(lengths, k))
+        parts = balanced_lpt(lengths, k)
+        validate_partition(parts, n, k)
+        assert all((np.diff(p) > 0).all() for p in parts), "parts must be sorted ascending"
+        assert load_stats(lengths, parts).max_load <= lpt.max_load
+        kk_parts = karmarkar_karp(lengths, k)
+        refined_kk = refine_swaps(lengths, kk_parts)
+        assert load_stats(lengths, refined_kk).max_load <= load_stats(lengths, kk_parts).max_load
+        assert [len(p) for p in refined_kk] == [len(p) for p in kk_parts]
+
+
+def test_refinement_hand_case():
+    lengths = np.array([10, 9, 7, 5, 4, 0])  # 3 per worker, total 35: 18 / 17 at best
+    # LPT: 10 -> w0, 9 -> w1, 7 -> w1, 5 -> w0, 4 -> w0 (15 < 16; w0 full), 0 -> w1: 19 / 16
+    lpt = constrained_lpt(lengths, 2)
+    assert lpt == [[0, 3, 4], [1, 2, 5]] and load_stats(lengths, lpt).loads == [19, 16]
+    # gap 3: the swap closest to moving 1.5 is 10 <-> 9 (moves 1): 18 / 17, optimal
+    assert [p.tolist() for p in refine_swaps(lengths, lpt)] == [[1, 3, 4], [0, 2, 5]]
+    assert load_stats(lengths, balanced_lpt(lengths, 2)).loads == [18, 17]
+    assert load_stats(lengths, refine_swaps(lengths, lpt, max_swaps=0)).loads == [19, 16]
+
+
+def test_refinement_leaves_the_callers_arrays_alone():
+    lengths = np.array([10, 9, 7, 5, 4, 0])
+    parts = [np.array([0, 3, 4]), np.array([1, 2, 5])]
+    refine_swaps(lengths, parts)
+    assert [p.tolist() for p in parts] == [[0, 3, 4], [1, 2, 5]]
+
+
+def test_uneven_counts_go_to_the_last_workers():
+    assert capacities(7, 3).tolist() == [2, 2, 3]
+    assert capacities(2, 3).tolist() == [0, 1, 1]
+    # One huge item and many small: padding with zero-length placeholders could leave its
+    # worker with one item and the others with three; capacities keep counts within one.
+    parts = assign(np.array([100, 1, 1, 1, 1, 1, 1]), 3, "lpt")
+    assert sorted(len(p) for p in parts) == [2, 2, 3]
+    assert [0] in [p.tolist()[:1] for p in parts] and len(next(p for p in parts if 0 in p)) == 2
+
+
+def test_policies_keep_equal_counts_and_are_deterministic():
+    rng = np.random.default_rng(11)
+    lengths = random_lengths(rng, 512, "lognormal")
+    groups = np.repeat(np.array([f"prompt-{i}" for i in rng.permutation(64)], dtype=object), 8)
+    for policy in ("lpt", "kk", "workload", "group", "minibatch"):
+        first = assign(lengths, 16, policy, groups=groups, minibatches=4)
+        again = assign(lengths.copy(), 16, policy, groups=groups.copy(), minibatches=4)
+        assert [p.tolist() for p in first] == [p.tolist() for p in again], policy
+        validate_partition(first, 512, 16)
+        assert all((np.diff(p) > 0).all() for p in first), policy
+
+
+# ---- groups -------------------------------------------------------------------------------------
+
+def test_group_keeps_each_prompt_on_one_rank():
+    lengths = np.array([10, 10, 1, 1, 9, 9, 2, 2])
+    groups = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    parts = assign(lengths, 2, "group", groups=groups, cost=(1, 0))
+    assert sorted(p.tolist() for p in parts) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # {a, b} = {c, d} = 22
+    # without group ids each row is its own group: plain workload balancing
+    assert [p.tolist() for p in assign(lengths, 2, "group")] == [p.tolist() for p in assign(lengths, 2, "workload")]
+
+
+def test_group_random_batches_never_split_a_group():
+    rng = np.random.default_rng(5)
+    for n_prompts, n, k in [(32, 8, 8), (64, 4, 16), (12, 5, 4)]:
+        lengths = random_lengths(rng, n_prompts * n, "lognormal")
+        uid = np.repeat(rng.permutation(n_prompts), n)  # ids in any order, each group contiguous
+        parts = group_partition(workload_cost(lengths), uid, k)
+        validate_partition(parts, n_prompts * n, k)  # equal groups per rank -> equal item counts
+        owners = [{r for r, p in enumerate(parts) if (uid[p] == g).any()} for g in range(n_prompts)]
+        assert all(len(o) == 1 for o in owners), "a group was split"
+
+
+def test_route_passes_groups_from_producers():
+    import torch
+
+    from distflow_lab.core.batch import Batch
+
+    uid = ["p", "p", "q", "q"]
+    assert item_groups(Batch({"seq_len": torch.ones(4)}, {"uid": uid})).tolist() == uid
+    assert item_groups(Batch({"seq_len": torch.ones(2)})) is None  # no uid column: every row its own group
+    lengths = [np.array([10, 10, 1, 1]), np.array([9, 9, 2, 2])]
+    groups = [np.array(["a", "a", "b", "b"], dtype=object), np.array(["c", "c", "a", "a"], dtype=object)]
+    pieces = route(lengths, 2, "group", groups_by_producer=groups, cost=(1, 0))
+    # group "a" spans both producers and still lands on one consumer
+    owner_of_a = {c for p, g in enumerate(groups) for c in range(2) for i in pieces[p][c] if g[i] == "a"}
+    assert len(owner_of_a) == 1
+    # a producer without ids: its rows are groups of one (merged, the four 9s would share a rank)
+    pieces = route([np.array([1, 1, 1, 1]), np.array([9, 9, 9, 9])], 2, "group", groups_by_producer=[groups[0], None])
+    assert [len(x) for x in pieces[1]] == [2, 2]
+    with pytest.raises(ValueError, match="3 group ids for 4 rows"):
+        route(lengths, 2, "group", groups_by_producer=[groups[0][:3], None])
+
+
+# ---- mini-batches -------------------------------------------------------------------------------
+
+def test_minibatch_balances_each_minibatch():
+    lengths = np.array([9, 1, 1, 1, 5, 5, 1, 1])  # mini-batch 0: rows 0-3, mini-batch 1: rows 4-7
+    parts = assign(lengths, 2, "minibatch", minibatches=2, cost=(1, 0))
+    # every rank: two rows of each mini-batch, mini-batch 0 first; mini-batch 1 is 6 / 6
+    assert [p.tolist() for p in parts] == [[0, 3, 4, 6], [1, 2, 5, 7]]
+    # one balance over the whole batch evens the totals (12 / 12) but gives rank 0 three rows of mini-batch 0
+    whole = assign(lengths, 2, "workload", cost=(1, 0))
+    assert [p.tolist() for p in whole] == [[0, 1, 2, 6], [3, 4, 5, 7]]
+
+
+def test_minibatch_random_batches():
+    rng = np.random.default_rng(9)
+    lengths = random_lengths(rng, 1024, "lognormal")
+    parts = assign(lengths, 8, "minibatch", minibatches=4)
+    validate_partition(parts, 1024, 8)
+    costs = workload_cost(lengths)
+    for m in range(4):
+        lo, hi = 256 * m, 256 * (m + 1)
+        sub = [p[(p >= lo) & (p < hi)] - lo for p in parts]
+        assert [len(x) for x in sub] == [32] * 8
+        assert load_stats(costs[lo:hi], sub).ratio <= load_stats(costs[lo:hi], constrained_lpt(costs[lo:hi], 8)).ratio
+    # mini-batches that do not divide by the ranks: the extra items rotate, totals within one
+    sizes = [len(p) for p in assign(np.arange(1, 22), 4, "minibatch", minibatches=3)]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 21
+    with pytest.raises(ValueError, match="minibatches"):
+        assign(lengths, 8, "minibatch", minibatches=0)
+
+
+def test_balance_enum_lists_the_new_policies():
+    assert {"workload", "group", "minibatch"} <= {b.value for b in Balance}
+    assert Balance("minibatch") is Balance.MINIBATCH
+
+
+# ---- parity with verl ---------------------------------------------------------------------------
+
+def _verl_kk():
+    """verl's Karmarkar-Karp; skipped when verl is missing, except under CI, where that is a failure."""
+    if importlib.util.find_spec("verl") is None:
+        if os.environ.get("CI"):
+            pytest.fail("verl is not installed: run scripts/install_bench.sh (CI must compare with verl)")
+        pytest.skip("verl not installed (scripts/install_bench.sh)")
+    from verl.utils.seqlen_balancing import karmarkar_karp as verl_kk
+
+    return verl_kk
+
+
+def test_never_worse_than_verl_karmarkar_karp():
+    from distflow_lab.experiments.bench.balance import make_lengths
+
+    verl_kk = _verl_kk()
+    for seed, dist, n, k in itertools.product([0, 1], ["lognormal", "bimodal"], [256, 1024], [8, 32, 64]):
+        lengths = make_lengths(dist, n, np.random.default_rng([seed, n]))
+        for costs, policy in ((lengths, "lpt"), (workload_cost(lengths), "workload")):
+            verl = load_stats(costs, verl_kk(costs.tolist(), k, True))
+            ours = load_stats(costs, assign(lengths, k, policy))
+            assert ours.max_load <= verl.max_load * 1.001, (seed, dist, n, k, policy, ours.ratio, verl.ratio)
+            # the project's Karmarkar-Karp is the same algorithm: same loads
+            assert sorted(load_stats(costs, karmarkar_karp(costs, k)).loads) == sorted(verl.loads)
+
+
+def test_load_balance_figure_shows_the_cost_next_to_tokens():
+    from distflow_lab.observe.load_balance import load_balance, load_balance_table, workload_units
+
+    lengths = np.array([11, 9, 8, 7, 4, 1])
+    assert workload_units([10, 20], (10, 1)).tolist() == [20.0, 60.0]  # L + L²·b/a
+    fig = load_balance(lengths, 2, cost=(0.001, 1))  # nearly pure L²: balances 171 / 161, not 20 / 20
+    assert len(fig.data) == 6 and sum(t.showlegend is not False for t in fig.data) == 3
+    lpt_tokens, lpt_cost = fig.data[0], fig.data[1]
+    assert list(lpt_tokens.y) == [19, 21] and [round(v / 1000) for v in lpt_cost.y] == [171, 161]
+    assert sum(s.name == "lower bound" for s in fig.layout.shapes) == 2
+    table = load_balance_table(lengths, 2, cost=(0.001, 1)).set_index("policy")
+    assert table.at["constrained LPT", "max_load"] == 21
+    assert round(table.at["constrained LPT", "workload_max"] / 1000) == 171
+    assert len(load_balance(lengths, 2).data) == 3  # without a cost: the token figure as before

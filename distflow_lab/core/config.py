@@ -37,9 +37,16 @@ class Balance(str, enum.Enum):
     """How items are spread over consumer ranks where the layout changes (one list, used everywhere)."""
 
     LPT = "lpt"
-    """Constrained LPT (paper Alg. 1): equal item counts, longest first to the lightest rank."""
+    """Constrained LPT (paper Alg. 1) on token counts: equal item counts, longest first to the lightest
+    rank; then swaps between the heaviest and light ranks (never worse than Alg. 1)."""
     KK = "kk"
     """Karmarkar-Karp largest differencing, equal item counts."""
+    WORKLOAD = "workload"
+    """Like lpt on each item's compute a·L + b·L² (a, b from the model config, else verl's constants)."""
+    GROUP = "group"
+    """Like workload, keeping the n responses of a prompt (same `uid`) on one rank."""
+    MINIBATCH = "minibatch"
+    """Like workload, balancing each optimizer mini-batch (consecutive slice of the batch) on its own."""
     NONE = "none"
     """Contiguous chunks in producer order (no balancing)."""
     IDENTITY = "identity"

@@ -6,10 +6,24 @@ built-in `REWARD_FNS`, over which the run config's `reward.by_source` (and
 built-in table is read-only, because changing it in a notebook would change
 only the driver's copy, never what the workers score with.
 
-Number normalisation (both GSM8K methods): a number may carry a leading "$"
-and thousands commas, which are dropped ("$1,000" -> "1000"); a trailing
-sentence period is not part of the number ("72." -> "72"); an all-zero
-decimal part is dropped ("72.0" -> "72", "72.50" stays "72.50").
+GSM8K (`data_source="openai/gsm8k"`) is scored exactly as verl scores it
+(`compute_score` in verl/utils/reward_score/gsm8k.py, strict), so reward curves
+compare with published verl runs:
+
+- only the last 300 characters of the response count;
+- strict: the last "#### " (one space) directly followed by a run of digits,
+  "." and "," (optionally after "-"); commas are dropped; the result must
+  equal the ground truth string exactly. "#### 18." gives "18." and
+  "####18" or "#### $18" give no answer: all score 0 against "18";
+- flexible: the last run of digits, "." and "," that is not a lone "."
+  (commas kept), compared the same way.
+
+The lenient parse is kept as `method="lenient"` (and "lenient-flexible"), or
+`gsm8k_lenient_reward` for `reward.by_source`: it allows any spacing after
+"####" and normalises both sides (`normalize_number`): a leading "$" and
+thousands commas are dropped ("$1,000" -> "1000"), a trailing sentence period
+is not part of the number ("72." -> "72"), and an all-zero decimal part is
+dropped ("72.0" -> "72", "72.50" stays "72.50").
 """
 from __future__ import annotations
 
@@ -21,10 +35,18 @@ from distflow_lab.core.errors import ConfigError
 
 RewardFn = Callable[..., float]
 
-# "-$1,234.5", "$72", "7": optional sign, optional "$", digits with commas, optional decimals.
+METHODS = ("strict", "flexible", "lenient", "lenient-flexible")
+
+# verl's formats. Its scorer looks only at the tail: the final answer is at the end,
+# and regexes over very long responses are slow.
+_VERL_TAIL_CHARS = 300
+_VERL_STRICT_RE = re.compile(r"#### (-?[0-9.,]+)")
+_VERL_FLEXIBLE_RE = re.compile(r"-?[0-9.,]+")
+
+# Lenient: "-$1,234.5", "$72", "7": optional sign, optional "$", digits with commas, optional decimals.
 _NUMBER = r"-?\$?[0-9][0-9,]*(?:\.[0-9]+)?"
-_STRICT_RE = re.compile(r"####\s*(" + _NUMBER + ")")
-_FLEXIBLE_RE = re.compile(_NUMBER)
+_LENIENT_RE = re.compile(r"####\s*(" + _NUMBER + ")")
+_LENIENT_FLEXIBLE_RE = re.compile(_NUMBER)
 
 
 def normalize_number(s: str) -> str:
@@ -37,18 +59,34 @@ def normalize_number(s: str) -> str:
     return s
 
 
-def extract_gsm8k_answer(text: str, method: str = "strict") -> str | None:
-    """The model's final answer in `text`, normalised, or None if there is none.
+def _verl_answer(text: str, flexible: bool) -> str | None:
+    """The answer verl's GSM8K scorer extracts (same rules, our code)."""
+    tail = text[-_VERL_TAIL_CHARS:]
+    if not flexible:
+        found = _VERL_STRICT_RE.findall(tail)
+        return found[-1].replace(",", "") if found else None
+    found = _VERL_FLEXIBLE_RE.findall(tail)
+    if not found:
+        return None
+    # The last match that is not a lone "."; if all are, verl ends its scan on the first one.
+    return next((f for f in reversed(found) if f != "."), found[0])
 
-    strict:   the number after the last "####" (the format the prompt asks for).
-    flexible: the last number anywhere in the text.
+
+def extract_gsm8k_answer(text: str, method: str = "strict") -> str | None:
+    """The model's final answer in `text`, or None if there is none.
+
+    strict / flexible: verl's extraction, unnormalised (see the module docstring).
+    lenient: the number after the last "####" (any spacing), normalised.
+    lenient-flexible: the last number anywhere in the text, normalised.
     """
-    if method == "strict":
-        found = _STRICT_RE.findall(text)
-    elif method == "flexible":
-        found = _FLEXIBLE_RE.findall(text)
+    if method in ("strict", "flexible"):
+        return _verl_answer(text, flexible=method == "flexible")
+    if method == "lenient":
+        found = _LENIENT_RE.findall(text)
+    elif method == "lenient-flexible":
+        found = _LENIENT_FLEXIBLE_RE.findall(text)
     else:
-        raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     return normalize_number(found[-1]) if found else None
 
 
@@ -59,11 +97,25 @@ def gsm8k_reward(
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> float:
-    """verl's GSM8K scorer: `score` if correct, `format_score` if an answer was found but wrong, else 0."""
+    """verl's GSM8K scorer: `score` if correct, `format_score` if an answer was found but wrong, else 0.
+
+    strict and flexible match verl exactly (the answer must equal `ground_truth`
+    as a string); the lenient methods normalise both sides first.
+    """
     answer = extract_gsm8k_answer(response, method)
     if answer is None:
         return 0.0
-    return score if answer == normalize_number(ground_truth) else format_score
+    truth = normalize_number(ground_truth) if method.startswith("lenient") else ground_truth
+    return score if answer == truth else format_score
+
+
+def gsm8k_lenient_reward(response: str, ground_truth: str, format_score: float = 0.0, score: float = 1.0) -> float:
+    """GSM8K with the lenient parse: "#### 18.", "####18" and "#### $18" all match "18".
+
+    Use it in place of verl's semantics with
+    `reward.by_source.openai/gsm8k=distflow_lab.datasets.rewards:gsm8k_lenient_reward`.
+    """
+    return gsm8k_reward(response, ground_truth, "lenient", format_score, score)
 
 
 def exact_match_reward(response: str, ground_truth: str, stop: str = "<eos>") -> float:
