@@ -122,6 +122,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from distflow_lab.experiments.bench import memory
 
         memory.report(a.steps, a.mode, a.batch, a.context, a.workers, a.every, a.json, a.html)
+    elif a.which == "coordinator":
+        from distflow_lab.experiments.bench import coordinator
+
+        coordinator.run(a.sizes, a.items, a.steps, a.json)
     elif a.which == "e2e":
         from distflow_lab.experiments.bench import e2e
 
@@ -219,7 +223,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=positive, default=4, help="responses per prompt")
     e.add_argument("--steps", type=positive, default=4, help="measured steps per mode (after one warm-up step)")
     e.add_argument("--modes", type=modes_list(MODES), default=MODES)
-    for p in (d, bl, s, m, e):
+    co = bsub.add_parser("coordinator", help="the coordinator actor alone: metadata handling per step")
+    co.add_argument("--sizes", type=int_list, default=[8, 16, 32, 64], help="producers = consumers")
+    co.add_argument("--items", type=positive, default=64, help="items per producer")
+    co.add_argument("--steps", type=positive, default=20)
+    for p in (d, bl, s, m, e, co):
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)

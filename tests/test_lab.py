@@ -129,7 +129,7 @@ def test_cli_run_writes_everything(rl_base, tmp_path):
     for f in ("metrics.parquet", "spans.parquet", "trace.json", "report.html"):
         assert (out / f).stat().st_size > 0, f
     bad = subprocess.run([CLI, "run", "tiny-cpu-grpo", "actor.nope=1"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "actor.nope: unknown key" in bad.stdout
+    assert bad.returncode == 2 and "actor.nope: unknown key" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_reopen_reuses_the_worker_processes(ray_cluster):

@@ -103,6 +103,8 @@ def run_dir(cfg: RunConfig, out: str | Path | None = None, overwrite: bool = Fal
         if held and not (overwrite or resume):
             raise ConfigError(f"{out} already holds a run ({', '.join(held)}); pass --overwrite to replace it, "
                               "--resume to continue it, or choose another --out")
+        if resume and latest_checkpoint(out / "checkpoints") is None:
+            raise ConfigError(f"no complete checkpoint under {out / 'checkpoints'} to resume from")
         return out
     base = Path(cfg.trainer.out_dir or Path("runs") / cfg.name)
     runs = sorted(base.glob("run-[0-9][0-9][0-9]"))

@@ -5,7 +5,8 @@ moves only metadata and object references itself — payloads go straight from
 the producer's object store to the consumer:
 
 1. every producer (tensor-parallel rank 0 of its group only) reports the
-   token length of each of its items to every buffer (`report`);
+   token length of each of its items to every buffer (`report`; to its own
+   buffer with `report_and_plan`, which also does step 2 in the same call);
 2. `plan` waits for all producers' lengths, balances items over the consumers
    (constrained LPT by default) and tells each producer which of its rows go
    to which consumer;
@@ -75,7 +76,6 @@ class DataBuffer:
         self._counts: dict[tuple[int, str], _Count] = {}
         self._done: deque[_Count] = deque(maxlen=10_000)
         self._aborted: dict[int, str] = {}
-        self._progress: dict[int, tuple[int, str, int]] = {}  # worker -> (step, stage, stamp) last started
         # A restarted buffer has lost its state: refuse the steps in flight until the
         # driver has reset them (reset_step), instead of waiting for pieces that never come.
         with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
@@ -139,6 +139,12 @@ class DataBuffer:
             e.pieces_for_producer = dict(enumerate(pieces))
             e.plan_ready.set()
 
+    async def report_and_plan(self, step: int, edge: str, producer: int, lengths: np.ndarray, n_producers: int,
+                              n_consumers: int, policy: Balance | str) -> list[np.ndarray]:
+        """`report` to the producer's own buffer and `plan` in one round trip."""
+        await self.report(step, edge, producer, lengths, n_producers, n_consumers, policy, True)
+        return await self.plan(step, edge, producer)
+
     async def plan(self, step: int, edge: str, producer: int) -> list[np.ndarray]:
         """Rows of `producer` for each consumer (local indices, ascending). Waits for all producers."""
         e = self._edge(step, edge)
@@ -192,16 +198,6 @@ class DataBuffer:
         self._accept_from = min(self._accept_from, step)
         self._store.release(step)
         return aborted
-
-    async def note_progress(self, worker: int, step: int, stage: str, stamp: int) -> None:
-        """Workers say which stage they start (fire and forget): who was where when one died.
-        An async actor may run calls out of submission order, so the newest `stamp`
-        (the worker's CLOCK_MONOTONIC, shared by the processes of a node) wins."""
-        if stamp >= self._progress.get(worker, (0, "", -1))[2]:
-            self._progress[worker] = (step, stage, stamp)
-
-    async def progress(self) -> dict[int, tuple[int, str]]:
-        return {w: (step, stage) for w, (step, stage, _) in self._progress.items()}
 
     async def abort(self, step: int, reason: str) -> None:
         """Fail every waiter of `step` (a worker died or a stage raised) so nobody hangs."""

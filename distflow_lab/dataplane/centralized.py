@@ -43,6 +43,7 @@ class CentralizedPlane:
         self._counts: dict[str, dict] = {}  # edge -> items in/out this step (the ledger)
         self.pool: ThreadPoolExecutor | None = None
         self.bytes_to_driver = 0
+        self.rpcs = 0
 
     def start(self, setup: PlaneSetup) -> "DriverSpec":
         self.plan, self.balance, self.context = setup.plan, setup.switches.balance, setup.driver_context
@@ -82,6 +83,7 @@ class CentralizedPlane:
         with self.rec.span(step, stage.id, "dispatch") as sp:
             refs = list(self.pool.map(ray.put, chunks))
             sp.bytes = sum(c.nbytes for c in chunks)
+            self.rpcs += len(chunks)
         self._counts[edge.name] = {"step": step, "edge": edge.name, "items_reported": len(self.batch),
                                    "items_in": sum(len(c) for c in chunks), "items_out": 0,
                                    "pieces_in": len(chunks), "pieces_out": 0}
@@ -96,6 +98,7 @@ class CentralizedPlane:
             c["pieces_out"] += len(writers)
         with self.rec.span(step, stage.id, "collect") as sp:
             outs = ray.get([h.refs[0] for h in writers], timeout=600)
+            self.rpcs += 1
             sp.bytes = sum(o.nbytes for o in outs)
             self.bytes_to_driver += sp.bytes
         with self.rec.span(step, stage.id, "concat") as sp:
@@ -123,9 +126,6 @@ class CentralizedPlane:
         self._counts, self.batch = {}, Batch.empty()
         self.rec.take()
         return rows
-
-    def where(self, worker: int) -> str | None:
-        return None
 
     def actors(self) -> list:
         return []
@@ -173,17 +173,12 @@ class DriverPort:
 
     def __init__(self, rank: int, rec: SpanRecorder) -> None:
         self.rank, self.rec = rank, rec
+        self.rpcs = 0
 
     def begin_step(self, step: int) -> None:
         pass
 
     def clear(self) -> None:
-        pass
-
-    def note_progress(self, step: int, stage: str) -> None:
-        pass
-
-    def flush(self) -> None:
         pass
 
     def kill_actor(self, index: int) -> None:
@@ -195,6 +190,7 @@ class DriverPort:
         with self.rec.span(step, stage.id, "dispatch") as sp:
             batch = ray.get(arg[0], timeout=600)
             sp.items, sp.bytes = len(batch), batch.nbytes
+            self.rpcs += 1
         return Fetched(batch, "driver")
 
     def publish(self, step: int, stage: "Stage", edge: "Edge | None", consumer: "Stage | None", out: Batch,
@@ -207,5 +203,6 @@ class DriverPort:
                 payload = out.pick(changed) if delta else out
                 sp.items, sp.bytes = len(payload), payload.nbytes
                 refs = [ray.put(payload)]
+                self.rpcs += 1
         return Handoff(refs, delta, len(batch_in))
 

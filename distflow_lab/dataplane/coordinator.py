@@ -43,6 +43,7 @@ class CoordinatorPlane:
     def __init__(self) -> None:
         self.coordinator = None
         self.wait_s = 60.0
+        self.rpcs = 0
 
     def start(self, setup: PlaneSetup) -> "CoordinatorSpec":
         self.wait_s = min(60.0, setup.wait_timeout_s)
@@ -68,6 +69,7 @@ class CoordinatorPlane:
 
     def end_step(self, step: int) -> EndOfStep:
         t0 = time.perf_counter()
+        self.rpcs += 1
         try:
             _, rows = ray.get(self.coordinator.end_step.remote(step), timeout=self.wait_s)
         except RayError:  # restarted after the step's data was delivered: let it serve the next step
@@ -88,12 +90,6 @@ class CoordinatorPlane:
         except RayError as e:
             raise CoordinatorLost(f"the coordinator failed while resetting step {step}: {type(e).__name__}",
                                   step=step, stage="(reset)", worker=None) from None
-
-    def where(self, worker: int) -> str | None:
-        try:
-            return ray.get(self.coordinator.progress.remote(), timeout=10)[worker][1]
-        except (RayError, KeyError):
-            return None
 
     def actors(self) -> list:
         return [self.coordinator] if self.coordinator is not None else []
@@ -132,7 +128,8 @@ class CoordinatorPort:
         self.spec, self.rank, self.rec = spec, rank, rec
         self.coord = spec.coordinator
         self.cache = LocalCache()
-        self.last_note = None
+        self.rpcs = 0
+        self.published: list = []  # publish calls not yet checked: their errors surface at the next fetch
 
     @contextmanager
     def _guard(self, step: int, edge: "Edge", stage: "Stage"):
@@ -149,16 +146,11 @@ class CoordinatorPort:
 
     def begin_step(self, step: int) -> None:
         self.cache.clear()
+        self.published = []
 
     def clear(self) -> None:
         self.cache.clear()
-
-    def note_progress(self, step: int, stage: str) -> None:
-        self.last_note = self.coord.note_progress.remote(self.rank, step, stage, time.monotonic_ns())
-
-    def flush(self) -> None:
-        if self.last_note is not None:
-            ray.get(self.last_note, timeout=5)
+        self.published = []
 
     def kill_actor(self, index: int) -> None:
         ray.kill(self.coord, no_restart=False)
@@ -177,6 +169,8 @@ class CoordinatorPort:
         me = stage.dp_rank(self.rank)
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "wait"):
             meta = ray.get(self.coord.get_meta.remote(step, edge.name, me, stage.group_rank(self.rank) == 0))
+            self.rpcs += 1
+            self._check_published()
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "get", cache_hit=False) as sp:
             objs = ray.get([ref for ref, _ in meta])
             batch = Batch.gather([(o, rows) for o, (_, rows) in zip(objs, meta)])
@@ -196,6 +190,15 @@ class CoordinatorPort:
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
             ref = ray.put(out)  # once, into this node's object store
             sp.bytes = out.nbytes
-            ray.get(self.coord.publish.remote(step, edge.name, stage.dp_rank(self.rank), item_lengths(out), [ref],
-                                              stage.dp, consumer.dp, policy))
+            # not awaited: consumers wait for every producer anyway; its outcome is checked at the next fetch
+            self.published.append(self.coord.publish.remote(step, edge.name, stage.dp_rank(self.rank),
+                                                            item_lengths(out), [ref], stage.dp, consumer.dp, policy))
+            self.rpcs += 2  # the put and the call
         return None
+
+    def _check_published(self) -> None:
+        """Raise the error of an earlier publish, if one failed (they have all finished once a
+        consumer got its metadata: the coordinator routes only when every producer published)."""
+        done, self.published = self.published, []
+        if done:
+            ray.get(done, timeout=60)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -70,9 +71,9 @@ class Coordinator:
         self._counts: dict[tuple[int, str], _Count] = {}
         self._done: deque[_Count] = deque(maxlen=10_000)
         self._aborted: dict[int, str] = {}
-        self._progress: dict[int, tuple[int, str, int]] = {}
         self.calls = 0  # metadata calls served (publish + get_meta), for the benchmarks
         self.meta_bytes = 0  # bytes of lengths and row indices in and out: metadata only, never a payload
+        self.busy_s = 0.0  # seconds spent handling calls (routing included, waiting excluded)
         with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
@@ -113,6 +114,7 @@ class Coordinator:
         """A producer's item lengths and the reference of its output (`ref[0]`, kept
         a reference: Ray does not resolve a ref nested in a list)."""
         self.calls += 1
+        t0 = time.perf_counter()
         e = self._edge(step, edge)
         if producer in e.lengths:
             raise CoordinatorError(f"step {step} edge {edge}: producer {producer} published twice")
@@ -126,6 +128,7 @@ class Coordinator:
             rows = route([e.lengths[p] for p in range(n_producers)], n_consumers, policy)
             e.rows = dict(enumerate(rows))
             e.ready.set()
+        self.busy_s += time.perf_counter() - t0
 
     async def get_meta(self, step: int, edge: str, consumer: int, count_as_out: bool) -> list[tuple[Any, np.ndarray]]:
         """(producer object ref, row indices) for every producer holding rows of `consumer`,
@@ -139,12 +142,14 @@ class Coordinator:
                                    f"on step {step} edge {edge} (have {sorted(e.lengths)})") from None
         if step in self._aborted:
             raise CoordinatorError(f"step {step} was aborted while waiting on edge {edge}: {self._aborted[step]}")
+        t0 = time.perf_counter()
         got = [(e.refs[p], e.rows[p][consumer]) for p in sorted(e.rows) if len(e.rows[p][consumer])]
         self.meta_bytes += sum(rows.nbytes for _, rows in got)
         if count_as_out:
             c = self._count(step, edge)
             c.pieces_out += len(got)
             c.items_out += sum(len(rows) for _, rows in got)
+        self.busy_s += time.perf_counter() - t0
         return got
 
     # ---- step lifecycle ---------------------------------------------------------------
@@ -164,16 +169,9 @@ class Coordinator:
         for e in self._store.store(step).values():
             e.ready.set()
 
-    async def note_progress(self, worker: int, step: int, stage: str, stamp: int) -> None:
-        if stamp >= self._progress.get(worker, (0, "", -1))[2]:
-            self._progress[worker] = (step, stage, stamp)
-
-    async def progress(self) -> dict[int, tuple[int, str]]:
-        return {w: (step, stage) for w, (step, stage, _) in self._progress.items()}
-
     async def stats(self) -> dict:
         return {"open_steps": self._store.steps(), "releases": self._store.releases, "calls": self.calls,
-                "meta_bytes": self.meta_bytes, "double_buffer": self._store.enabled}
+                "meta_bytes": self.meta_bytes, "busy_s": self.busy_s, "double_buffer": self._store.enabled}
 
     async def drain(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._store.drain)

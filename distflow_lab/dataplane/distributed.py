@@ -65,6 +65,7 @@ class DistributedPlane:
     bytes_to_driver = 0  # never a payload
 
     def __init__(self) -> None:
+        self.rpcs = 0
         self.buffers: list = []
         self.buffer_of_worker: list[int] = []
         self.wait_s = 60.0
@@ -91,6 +92,7 @@ class DistributedPlane:
 
     def end_step(self, step: int) -> EndOfStep:
         t0, rows = time.perf_counter(), []
+        self.rpcs += len(self.buffers)
         for b, ref in [(b, b.end_step.remote(step)) for b in self.buffers]:
             try:
                 rows.extend(ray.get(ref, timeout=self.wait_s)[1])
@@ -117,13 +119,6 @@ class DistributedPlane:
                 raise BufferLost(f"DataBuffer {i} failed while resetting step {step}: {type(e).__name__}",
                                  step=step, stage="(reset)", worker=None) from None
         return rows
-
-    def where(self, worker: int) -> str | None:
-        try:
-            notes = ray.get(self.buffers[self.buffer_of_worker[worker]].progress.remote(), timeout=10)
-            return notes[worker][1]
-        except (RayError, KeyError, IndexError):
-            return None
 
     def actors(self) -> list:
         return list(self.buffers)
@@ -165,7 +160,7 @@ class BufferPort:
         self.spec, self.rank, self.rec = spec, rank, rec
         self.buffers, self.buffer_of_worker = spec.buffers, spec.buffer_of_worker
         self.cache = LocalCache()
-        self.last_note = None  # the latest note_progress call, awaited before a planned exit
+        self.rpcs = 0
 
     def _buffer_of(self, worker: int):
         return self.buffers[self.buffer_of_worker[worker]]
@@ -189,14 +184,6 @@ class BufferPort:
     def clear(self) -> None:
         self.cache.clear()
 
-    def note_progress(self, step: int, stage: str) -> None:
-        # fire and forget: never on the critical path; read only to name the stage of a failure
-        self.last_note = self._buffer_of(self.rank).note_progress.remote(self.rank, step, stage, time.monotonic_ns())
-
-    def flush(self) -> None:
-        if self.last_note is not None:
-            ray.get(self.last_note, timeout=5)
-
     def kill_actor(self, index: int) -> None:
         ray.kill(self.buffers[index], no_restart=False)
 
@@ -215,6 +202,7 @@ class BufferPort:
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "wait"):
             pieces = ray.get(self._buffer_of(self.rank).get_pieces.remote(
                 step, edge.name, me, producer.dp, stage.group_rank(self.rank) == 0))
+            self.rpcs += 1
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "get", cache_hit=False) as sp:
             objs = ray.get([ref for ref, _, _ in pieces])
             batch = Batch.concat([o.select(slice(a, b)) for o, (_, a, b) in zip(objs, pieces)])
@@ -234,10 +222,9 @@ class BufferPort:
         me, mine = stage.dp_rank(self.rank), self._buffer_of(self.rank)
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "plan", items=len(out)):
             lengths = item_lengths(out)
-            calls = [b.report.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, policy, b is mine)
-                     for b in self.buffers]
-            pieces = ray.get(mine.plan.remote(step, edge.name, me))
-            ray.get(calls)
+            reports = [b.report.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, policy, False)
+                       for b in self.buffers if b is not mine]  # awaited with the pieces below
+            pieces = ray.get(mine.report_and_plan.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, policy))
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
             acks = []
             for b, consumers in self._consumers_by_buffer(consumer).items():
@@ -247,7 +234,8 @@ class BufferPort:
                 sp.bytes += piece.nbytes
                 slices = {c: (int(bounds[i]), int(bounds[i + 1])) for i, c in enumerate(consumers)}
                 acks.append(self.buffers[b].add_piece.remote(step, edge.name, me, [ray.put(piece)], slices, stage.dp))
-            ray.get(acks)
+            ray.get(acks + reports)
+            self.rpcs += 1 + len(reports) + 2 * len(acks)  # plan, reports, and a put and a call per destination node
         return None
 
     def _consumers_by_buffer(self, consumer: "Stage") -> dict[int, list[int]]:

@@ -65,11 +65,11 @@ class EndOfStep:
 
 
 class WorkerPort(Protocol):
-    """The worker half of a data plane (one per DAG worker)."""
+    """The worker half of a data plane (one per DAG worker). `rpcs` counts its Ray calls."""
+
+    rpcs: int
 
     def begin_step(self, step: int) -> None: ...
-
-    def note_progress(self, step: int, stage: str) -> None: ...
 
     def fetch(self, step: int, stage: "Stage", edge: "Edge | None", producer: "Stage | None", arg: Any) -> Fetched: ...
 
@@ -77,8 +77,6 @@ class WorkerPort(Protocol):
                 batch_in: Batch) -> Any: ...
 
     def clear(self) -> None: ...
-
-    def flush(self) -> None: ...
 
     def kill_actor(self, index: int) -> None: ...
 
@@ -97,6 +95,7 @@ class DataPlane(Protocol):
     mode: str
     driver_moves_data: bool  # True: stages run one by one, the driver handling data between them
     bytes_to_driver: int  # payload bytes the driver itself received (centralized: every collect)
+    rpcs: int  # Ray calls the driver half made (and ray.put calls of the driver), cumulative
 
     def start(self, setup: PlaneSetup) -> WorkerSpec: ...
 
@@ -113,8 +112,6 @@ class DataPlane(Protocol):
     def abort(self, step: int, reason: str) -> None: ...
 
     def reset_step(self, step: int) -> list[dict]: ...
-
-    def where(self, worker: int) -> str | None: ...
 
     def actors(self) -> list: ...
 

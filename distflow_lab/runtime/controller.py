@@ -24,6 +24,7 @@ import os
 import pickle
 import shutil
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +44,7 @@ from distflow_lab.datasets.loader import check_data_node
 from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.planner import Plan, Stage
 from distflow_lab.runtime.context import stage_context
+from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
 from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
 from distflow_lab.runtime.worker import WorkerSetup
@@ -62,11 +64,14 @@ class Controller:
         self.ledger_rows: list[dict] = []  # kept by the driver: they survive a data-plane actor's restart
         self.retries: list[dict] = []  # steps re-run after a data-plane actor died
         self.metadata_bytes = 0
+        self.driver_calls = 0  # stage and step calls to workers, cumulative
         self.broken: str | None = None  # why the workers cannot run another step (until resume())
         self.last_checkpoint: Path | None = None
         self.placement: Placement | None = None
+        self.session_id = uuid.uuid4().hex[:12]
         self._current: list[StageReport] = []
         self._step_t0 = 0.0
+        self._rpcs_at_start = 0
         self._inflight: list = []  # the refs of the last gather, awaited (bounded) after a failure
         first = self.plan.stages[0]
         if first.type == "data_load" and first.data is not None:  # bad data fails here, before any worker starts
@@ -91,8 +96,8 @@ class Controller:
                                                self.driver_context))
             self._init_torch_distributed()
             threads = c.threads_per_worker or default_threads(c.world_size)
-            setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.config.algo, self.engines,
-                                self.config.keep_outputs, threads)
+            setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.session_id, self.config.algo,
+                                self.engines, self.config.keep_outputs, threads)
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
         except BaseException:
@@ -184,13 +189,15 @@ class Controller:
 
     def _begin_step(self) -> None:
         self._current, self._step_t0 = [], time.time()
+        self._rpcs_at_start = self.driver_calls + self.plane.rpcs
         self.plane.begin_step(self.step_index)
 
     def _finish_step(self) -> StepReport:
         step = self.step_index
         end = self.plane.end_step(step)
         self.ledger_rows.extend(end.ledger)
-        report = StepReport(step, self.mode, self._current, time.time() - self._step_t0, end.seconds)
+        report = StepReport(step, self.mode, self._current, time.time() - self._step_t0, end.seconds,
+                            self.driver_calls + self.plane.rpcs - self._rpcs_at_start)
         self.history.append(report)
         self.metric_rows.append({"step": step, "wall_s": report.wall_seconds, **report.metrics})
         self.step_index, self.next_stage, self._current = step + 1, 0, []
@@ -222,7 +229,8 @@ class Controller:
         except StageError as e:
             if e.stage != "(whole step)":
                 raise
-            where = self.plane.where(e.worker) or "(whole step)"  # the stage the worker had reached
+            where = (stage_reached(self.session_id, e.worker, self.placement.worker_nodes[e.worker])
+                     or "(whole step)")  # the stage the worker had reached
             raise type(e)(e.summary.replace("'(whole step)'", repr(where)), step=step, stage=where,
                           worker=e.worker, remote_traceback=e.remote_traceback) from None
         reports = []
@@ -261,6 +269,7 @@ class Controller:
         everywhere and raise an error naming stage, worker and step."""
         index = {r: i for i, r in enumerate(refs)}
         self._inflight = list(refs)
+        self.driver_calls += len(refs)
         pending, deadline = list(refs), time.monotonic() + limit_s
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -303,14 +312,13 @@ class Controller:
         except RayError:  # an actor that is gone has no waiters
             pass
 
-    def _settle(self) -> bool:
-        """Wait (bounded) until every worker has left the failed call; False if some are
-        stuck (e.g. in a collective with a failed peer) or dead."""
+    def _settle(self, grace_s: float) -> bool:
+        """Wait (at most `grace_s`) until every worker has left the failed call; False if
+        some are stuck (a hung stage, a collective with a failed peer) or dead."""
         inflight = self._inflight
         if not inflight:
             return True
-        done, pending = ray.wait(inflight, num_returns=len(inflight),
-                                 timeout=min(60.0, self.config.cluster.stage_timeout_s))
+        done, pending = ray.wait(inflight, num_returns=len(inflight), timeout=grace_s)
         dead = False
         for r in done:
             try:
@@ -321,10 +329,11 @@ class Controller:
                 pass
         return not pending and not dead
 
-    def _recover(self, step: int) -> bool:
+    def _recover(self, step: int, grace_s: float | None = None) -> bool:
         """Make `step` runnable again: every worker out of it, the data plane's state of
         it gone, every loader back at its start. False if that is not possible."""
-        if not self._settle():
+        grace = min(60.0, self.config.cluster.stage_timeout_s) if grace_s is None else grace_s
+        if not self._settle(grace):
             return False
         try:
             self.ledger_rows.extend(self.plane.reset_step(step))
@@ -337,7 +346,8 @@ class Controller:
         """After a failed step: the same step runs again on the next call, or (if the
         workers cannot) the session is broken until resume()."""
         self._current, self.next_stage = [], 0
-        if not self._recover(step):
+        # a stage that timed out is hung: waiting longer for it only delays the error
+        if not self._recover(step, grace_s=1.0 if isinstance(err, StageTimeout) else None):
             self.broken = (f"step {step} failed ({type(err).__name__}) and some workers or data-plane actors are "
                            "dead or still busy in it: call resume() to restart them from the last checkpoint")
 

@@ -32,12 +32,13 @@ class StageResult:
     tokens_out: int
     bytes_in: int
     bytes_out: int
-    route_in: str  # "loader", "cache", "buffer", "driver", "none"
+    route_in: str  # "loader", "cache", "buffer", "coordinator", "driver", "none"
     cache_hit: bool | None
     metrics: dict[str, float] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)
     seconds: float = 0.0
     counts: dict[str, float] = field(default_factory=dict)
+    rpcs: int = 0  # Ray calls this worker's data-plane port made for this stage
 
 
 def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:
@@ -126,6 +127,12 @@ class StepReport:
     stages: list[StageReport]
     wall_seconds: float
     end_step_seconds: float = 0.0
+    driver_rpcs: int = 0  # Ray calls the driver made for this step (stage calls, data-plane calls)
+
+    @property
+    def rpcs(self) -> int:
+        """Every Ray call of the step: the driver's and every worker's data-plane port's."""
+        return self.driver_rpcs + sum(r.rpcs for s in self.stages for r in s.results)
 
     @property
     def metrics(self) -> dict[str, float]:

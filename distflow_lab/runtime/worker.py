@@ -34,6 +34,7 @@ from distflow_lab.datasets.loader import ShardedLoader, make_loader
 from distflow_lab.graph.nodes import call_stage, resolve_function
 from distflow_lab.graph.planner import Plan, Stage
 from distflow_lab.runtime.context import StageContext, stage_context
+from distflow_lab.runtime.progress import ProgressNote
 from distflow_lab.runtime.results import StageResult
 from distflow_lab.runtime.samples import sample_rows
 
@@ -46,6 +47,7 @@ class WorkerSetup:
     mode: str
     seed: int
     plane: WorkerSpec  # the worker half of the data plane, bound on the worker
+    session: str = ""  # names this session's progress notes
     config: Any = None  # the run config, visible to stages as ctx.config
     engines: str | Callable | None = None  # factory(ctx, config) -> dict of engines
     keep_outputs: bool = True  # keep each stage's output of the latest step (for peek)
@@ -66,6 +68,7 @@ class DAGWorker:
         self.loader: ShardedLoader | None = None
         self.groups: dict[str, Any] = {}
         self.faults: list[dict] = []
+        self.note: ProgressNote | None = None
         self._loader_at_step_start: dict | None = None
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -79,6 +82,7 @@ class DAGWorker:
         self.fns = [resolve_function(st.fn, node=st.id) for st in self.plan.stages]
         self.groups = self._layout_groups()
         self.port = s.plane.bind(self.rank, self.rec)
+        self.note = ProgressNote(s.session, self.rank)
         first = self.plan.stages[0]
         if first.type == "data_load" and first.data is not None and s.plane.loads_data:
             self.loader = make_loader(first.data, first.dp_rank(self.rank), first.dp, s.seed)
@@ -112,6 +116,9 @@ class DAGWorker:
             if hasattr(e, "close"):
                 e.close()
         self.engines, self.loader, self.faults = {}, None, []
+        if self.note is not None:
+            self.note.close()
+            self.note = None
         self._loader_at_step_start = None  # a reused worker must not restore the last plan's loader
         self.rec.take()
 
@@ -143,7 +150,7 @@ class DAGWorker:
         """Every stage of `step`, back to back (data planes where the driver moves no data)."""
         results = []
         for i, st in enumerate(self.plan.stages):
-            self.port.note_progress(step, st.id)  # read only to name the stage of a failure
+            self.note.write(step, st.id)  # read only to name the stage of a failure
             results.append(self.run_stage(step, i)[0])
         return results
 
@@ -165,7 +172,8 @@ class DAGWorker:
         result = StageResult(step, st.index, st.id, self.rank, ctx.dp_rank, ctx.group_rank, len(got.batch), len(out),
                              int(item_lengths(out).sum()) if len(out) else 0, got.batch.nbytes if moved else 0,
                              out.nbytes, got.route, got.cache_hit, dict(ctx.metrics), self.rec.take(),
-                             time.perf_counter() - t0, dict(ctx.counts))
+                             time.perf_counter() - t0, dict(ctx.counts), self.port.rpcs)
+        self.port.rpcs = 0
         return result, handoff
 
     def _compute(self, step: int, st: Stage, batch: Batch) -> tuple[Batch, StageContext]:
@@ -271,7 +279,6 @@ class DAGWorker:
                     continue
                 self.faults.remove(f)
                 if action == "exit":
-                    self.port.flush()
                     os._exit(1)
                 self.port.kill_actor(f.get("actor", 0))
 

@@ -17,12 +17,13 @@ import time
 from typing import Any
 
 import numpy as np
+import ray
 from tqdm.auto import tqdm
 
 from distflow_lab.api.session import Session
 from distflow_lab.experiments.bench import verl_peer
-from distflow_lab.experiments.bench.shape import rollout_tp_for
 from distflow_lab.experiments.bench.common import memcpy_gbps, print_table, step_row, summarize, write_json
+from distflow_lab.experiments.bench.shape import rollout_tp_for
 from distflow_lab.experiments.synthetic import synthetic_grpo
 from distflow_lab.graph.dag import DAG
 from distflow_lab.observe.span_stats import stage_breakdown
@@ -59,14 +60,43 @@ def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, pool: 
         for _ in range(steps):
             rep = s.step()
             spans = rep.spans
-            out.append({"mode": mode, "step": rep.step, **step_row(rep, spans),
+            out.append({"mode": mode, "step": rep.step, **step_row(rep, spans), "rpcs": rep.rpcs,
                         "breakdown": stage_breakdown(spans, [st.stage_id for st in rep.stages])})
+        latency = call_latency_s(s)
+        for r in out:
+            r["call_latency_s"] = latency
         return out
     finally:
         if pool is not None:
             pool[world_size] = s
         else:
             s.close()
+
+
+def call_latency_s(s: Session, calls: int = 30) -> float:
+    """Median round trip of an empty actor call (driver -> worker 0 -> driver), this run, this machine."""
+    w = s.workers[0]
+    ray.get(w.ping.remote())
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        ray.get(w.ping.remote())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def critical_round_trips(plan, mode: str) -> int:
+    """Ray round trips one after another on a step's critical path (calls made in parallel
+    count once): the driver's step or stage calls, and each data-plane exchange.
+    distributed: per moving edge report+plan, put+add_piece, get_pieces;
+    coordinator: per moving edge publish (one way, counted whole) and get_meta;
+    centralized: per stage after the data: dispatch puts, the stage call, the collect get."""
+    moving = sum(1 for e in plan.edges if e.kind == "redistribute")
+    if mode == "distributed":
+        return 1 + 3 * moving + 1  # run_step, the exchanges, end_step
+    if mode == "coordinator":
+        return 1 + 2 * moving + 1
+    return 3 * (len(plan.stages) - 1) + 1  # + the data stage on the driver
 
 
 def close_pool(pool: dict) -> None:
@@ -133,8 +163,18 @@ def config_records(by_mode: dict, bw: float, **config) -> list[dict]:
     `over_central` / `over_verl`, that mode's median data plane over the baseline's
     (and `dist_over_central` / `dist_over_verl`, distributed's, as before)."""
     out = []
+    plan = config.pop("plan")
     for m, steps in by_mode.items():
         dp = summarize(r["data_plane_s"] for r in steps)
+        floor = {}
+        if "rpcs" in steps[0]:  # the physical floor of this mode: its copies at memcpy speed + its round trips
+            moved = float(np.median([r["bytes_moved"] for r in steps]))
+            lat = steps[0]["call_latency_s"]
+            rtts = critical_round_trips(plan, m)
+            floor = {"rpcs_per_step": int(np.median([r["rpcs"] for r in steps])), "critical_round_trips": rtts,
+                     "call_latency_ms": lat * 1e3, "floor_copy_s": moved / (bw * 1e9), "floor_rtt_s": rtts * lat}
+            floor["floor_s"] = floor["floor_copy_s"] + floor["floor_rtt_s"]
+            floor["over_floor"] = dp["median"] / floor["floor_s"]
         out.append({
             "mode": m, **config,
             "data_plane_s_median": dp["median"], "data_plane_s_min": dp["min"], "data_plane_s_max": dp["max"],
@@ -145,6 +185,7 @@ def config_records(by_mode: dict, bw: float, **config) -> list[dict]:
             "repeats": len(steps),
             "breakdown": (steps[len(steps) // 2]["breakdown"].round(5).reset_index().to_dict("records")
                           if "breakdown" in steps[0] else None),
+            **floor,
         })
     med = {r["mode"]: r["data_plane_s_median"] for r in out}
     ratio = lambda a, b: float(med[a] / med[b]) if a in med and b in med and med[b] > 0 else None  # noqa: E731
@@ -171,12 +212,15 @@ def run(workers: list[int], contexts: list[int], batch: int = 64, repeats: int =
                     by_mode[m] = verl_peer.measure(dag.plan(w), w, repeats)
                 else:
                     by_mode[m] = measure(dag, m, w, repeats, pool=pool)
-            records += config_records(by_mode, bw, workers=w, nodes=nodes, context=ctx_len, batch=batch,
-                                      rollout_tp=dag["rollout"].layout.tp)
+            records += config_records(by_mode, bw, plan=dag.plan(w), workers=w, nodes=nodes, context=ctx_len,
+                                      batch=batch, rollout_tp=dag["rollout"].layout.tp)
         close_pool(pool)
         cols = ["mode", "workers", "nodes", "context", "batch", "data_plane_s_median", "data_plane_s_min",
                 "data_plane_s_max", "bytes_moved", "over_central", "over_verl", "step_s_median", "memcpy_gbps"]
         print_table(records, cols, title=f"data plane, seconds per step (median/min/max of {repeats} steps)")
+        print_table(records, ["mode", "workers", "context", "data_plane_s_median", "floor_copy_s", "floor_rtt_s",
+                              "floor_s", "over_floor", "critical_round_trips", "rpcs_per_step", "call_latency_ms"],
+                    title="against the floor: bytes / memcpy + critical-path round trips x empty-call latency")
         if control:
             ctrl = [control_plane_overhead(w) for w in workers]
             print_table(ctrl, title="control plane: driver round trip per stage (trivial stages)")
