@@ -282,3 +282,22 @@ def _probe_then_reward(probe):
         return reward(probe(batch, ctx), ctx)
 
     return probe_reward
+
+
+def test_group_balance_keeps_a_prompts_responses_on_one_rank_in_every_mode(ray_cluster):
+    """balance="group" routes by the `uid` column the producers send with the lengths:
+    every mode puts a prompt's n responses on one rank, and the same ranks."""
+    by_mode = {}
+    s = lab.session(dag(batch=8), world_size=W, balance="group")
+    try:
+        for mode in MODES:
+            if mode != s.mode:
+                s.reopen(mode=mode)
+            s.step()
+            uids = [set(b["uid"].tolist()) for b in all_rows(s, "old_log_prob")]
+            assert all(not (a & b) for i, a in enumerate(uids) for b in uids[i + 1:]), mode  # disjoint groups
+            assert sum(len(u) for u in uids) == 8  # every prompt once
+            by_mode[mode] = uids
+    finally:
+        s.close()
+    assert by_mode["distributed"] == by_mode["coordinator"] == by_mode["centralized"]

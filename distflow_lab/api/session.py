@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import html
 import inspect
+import json
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -26,7 +27,8 @@ from distflow_lab.core.config import (SWITCHES_BY_MODE, Balance, ClusterOptions,
 from distflow_lab.dataplane.centralized import CentralizedPlane
 from distflow_lab.dataplane.coordinator import CoordinatorPlane
 from distflow_lab.dataplane.distributed import DistributedPlane
-from distflow_lab.dataplane.interface import DataPlane
+from distflow_lab.dataplane.interface import DataPlane, Routing
+from distflow_lab.dataplane.partition import workload_coeffs
 from distflow_lab.graph.dag import DAG
 from distflow_lab.runtime.controller import Controller
 from distflow_lab.runtime.results import StageReport, StepReport
@@ -68,6 +70,17 @@ def session_config(base: SessionConfig | dict | None = None, *,
 OPTIONS = [p for p in inspect.signature(session_config).parameters if p != "base"]
 
 
+def routing_for(config: SessionConfig) -> Routing:
+    """The balance policy, plus what the built-in algorithms know: the workload cost of
+    their model (from its config.json) and the optimizer's mini-batch count."""
+    algo = config.algo
+    if not isinstance(algo, RunConfig):
+        return Routing(config.switches.balance)
+    model_cfg = Path(algo.model.path) / "config.json"
+    cost = workload_coeffs(json.loads(model_cfg.read_text())) if model_cfg.exists() else None
+    return Routing(config.switches.balance, cost, algo.actor.mini_batches)
+
+
 def _configure(base: SessionConfig | dict | None, options: dict[str, Any]) -> SessionConfig:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
@@ -89,7 +102,8 @@ class Session:
             config = config.session_config()
         self.dag, self._engines = dag, engines
         self._config = _configure(config, options)
-        self.controller = Controller(dag, self._config, PLANES[self._config.mode](), engines)
+        self.controller = Controller(dag, self._config, PLANES[self._config.mode](), engines,
+                                     routing=routing_for(self._config))
         self.previous: dict[str, pd.DataFrame] = {}  # spans of earlier modes (reopen), for side-by-side figures
         self.previous_metrics: dict[str, pd.DataFrame] = {}
 
@@ -125,7 +139,8 @@ class Session:
         old = self.controller
         if not old.can_hand_over(config):
             old.close()  # nothing to take over: free its slots first, or a full cluster cannot place the new workers
-        self.controller = Controller(self.dag, config, PLANES[config.mode](), self._engines, reuse=old)
+        self.controller = Controller(self.dag, config, PLANES[config.mode](), self._engines, reuse=old,
+                                     routing=routing_for(config))
         old.close()  # frees what was not taken over (its data plane; its workers if not handed over)
         self._config = config
         return self

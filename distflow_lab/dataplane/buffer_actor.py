@@ -35,7 +35,7 @@ import numpy as np
 import ray
 
 from distflow_lab.dataplane.double_buffer import DoubleBuffer
-from distflow_lab.core.config import Balance
+from distflow_lab.dataplane.interface import Routing
 from distflow_lab.dataplane.routing import route
 
 
@@ -50,6 +50,7 @@ class BufferRestarted(BufferError):
 @dataclass
 class _Edge:
     lengths: dict[int, np.ndarray] = field(default_factory=dict)
+    groups: dict[int, np.ndarray | None] = field(default_factory=dict)
     plan_ready: asyncio.Event = field(default_factory=asyncio.Event)
     pieces_for_producer: dict[int, list[np.ndarray]] = field(default_factory=dict)
     pieces: dict[int, dict[int, Any]] = field(default_factory=dict)  # consumer -> producer -> (ref, start, stop)
@@ -125,7 +126,7 @@ class DataBuffer:
 
     # ---- protocol -------------------------------------------------------------
     async def report(self, step: int, edge: str, producer: int, lengths: np.ndarray, n_producers: int,
-                     n_consumers: int, policy: Balance | str, count: bool) -> None:
+                     n_consumers: int, routing: Routing, count: bool, groups: np.ndarray | None = None) -> None:
         """A producer's item lengths (sent to every buffer; counted only by the
         producer's own). When all producers reported, plan the routing."""
         e = self._edge(step, edge)
@@ -133,16 +134,18 @@ class DataBuffer:
             self._count(step, edge).items_reported += len(lengths)
         if producer in e.lengths:
             raise BufferError(f"step {step} edge {edge}: producer {producer} reported twice")
-        e.lengths[producer] = np.asarray(lengths)
+        e.lengths[producer], e.groups[producer] = np.asarray(lengths), groups
         if len(e.lengths) == n_producers:
-            pieces = route([e.lengths[p] for p in range(n_producers)], n_consumers, policy)
+            pieces = route([e.lengths[p] for p in range(n_producers)], n_consumers, routing.policy,
+                           groups_by_producer=[e.groups[p] for p in range(n_producers)], **routing.kwargs())
             e.pieces_for_producer = dict(enumerate(pieces))
             e.plan_ready.set()
 
     async def report_and_plan(self, step: int, edge: str, producer: int, lengths: np.ndarray, n_producers: int,
-                              n_consumers: int, policy: Balance | str) -> list[np.ndarray]:
+                              n_consumers: int, routing: Routing, groups: np.ndarray | None = None
+                              ) -> list[np.ndarray]:
         """`report` to the producer's own buffer and `plan` in one round trip."""
-        await self.report(step, edge, producer, lengths, n_producers, n_consumers, policy, True)
+        await self.report(step, edge, producer, lengths, n_producers, n_consumers, routing, True, groups)
         return await self.plan(step, edge, producer)
 
     async def plan(self, step: int, edge: str, producer: int) -> list[np.ndarray]:

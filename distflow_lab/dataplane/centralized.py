@@ -23,7 +23,7 @@ import ray
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.spans import DRIVER, Span, SpanRecorder
 from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup
-from distflow_lab.dataplane.routing import assign, item_lengths
+from distflow_lab.dataplane.routing import assign, item_groups, item_lengths
 from distflow_lab.datasets.loader import ShardedLoader, make_loader
 from distflow_lab.graph.nodes import call_stage, resolve_function
 
@@ -46,7 +46,7 @@ class CentralizedPlane:
         self.rpcs = 0
 
     def start(self, setup: PlaneSetup) -> "DriverSpec":
-        self.plan, self.balance, self.context = setup.plan, setup.switches.balance, setup.driver_context
+        self.plan, self.routing, self.context = setup.plan, setup.routing, setup.driver_context
         self.rec = SpanRecorder(DRIVER, ray.get_runtime_context().get_node_id()[:8], self.mode)
         self.pool = ThreadPoolExecutor(max_workers=min(16, setup.plan.world_size), thread_name_prefix="dispatch")
         first = setup.plan.stages[0]
@@ -75,7 +75,8 @@ class CentralizedPlane:
         edge = self.plan.edge_into(stage.index)
         with self.rec.span(step, stage.id, "split") as sp:
             if edge.kind == "redistribute":
-                parts = assign(item_lengths(self.batch), stage.dp, self.balance)
+                parts = assign(item_lengths(self.batch), stage.dp, self.routing.policy, groups=item_groups(self.batch),
+                               **self.routing.kwargs())
                 self.batch = self.batch.select(np.concatenate(parts))  # global order = rank order from here
                 self.rank_sizes = [len(p) for p in parts]
             chunks = self.batch.split(self.rank_sizes)

@@ -25,8 +25,8 @@ from distflow_lab.core.errors import CoordinatorLost, StageError
 from distflow_lab.core.spans import Span, SpanRecorder
 from distflow_lab.dataplane.cache import LocalCache
 from distflow_lab.dataplane.coordinator_actor import Coordinator, CoordinatorRestarted
-from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, wait_alive
-from distflow_lab.dataplane.routing import item_lengths
+from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, Routing, wait_alive
+from distflow_lab.dataplane.routing import item_groups, item_lengths
 
 if TYPE_CHECKING:
     from distflow_lab.graph.planner import Edge, Stage
@@ -53,7 +53,7 @@ class CoordinatorPlane:
             max_restarts=3,  # a killed coordinator comes back empty; the step is retried
         ).remote(setup.switches.double_buffer, setup.wait_timeout_s)
         ray.get(self.coordinator.ping.remote(), timeout=120)
-        return CoordinatorSpec(self.coordinator, setup.switches.local_cache, setup.switches.balance)
+        return CoordinatorSpec(self.coordinator, setup.switches.local_cache, setup.routing)
 
     def begin_step(self, step: int) -> None:
         pass
@@ -116,7 +116,7 @@ class CoordinatorPlane:
 class CoordinatorSpec:
     coordinator: Any
     local_cache: bool
-    balance: Balance
+    routing: Routing
     loads_data: bool = True
 
     def bind(self, rank: int, recorder: SpanRecorder) -> "CoordinatorPort":
@@ -186,13 +186,14 @@ class CoordinatorPort:
             return None
         if stage.group_rank(self.rank) != 0:  # only tensor-parallel rank 0 writes: no duplicates
             return None
-        policy = self.spec.balance if edge.kind == "redistribute" else Balance.IDENTITY
+        routing = self.spec.routing if edge.kind == "redistribute" else Routing(Balance.IDENTITY)
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
             ref = ray.put(out)  # once, into this node's object store
             sp.bytes = out.nbytes
             # not awaited: consumers wait for every producer anyway; its outcome is checked at the next fetch
             self.published.append(self.coord.publish.remote(step, edge.name, stage.dp_rank(self.rank),
-                                                            item_lengths(out), [ref], stage.dp, consumer.dp, policy))
+                                                            item_lengths(out), [ref], stage.dp, consumer.dp, routing,
+                                                            item_groups(out)))
             self.rpcs += 2  # the put and the call
         return None
 

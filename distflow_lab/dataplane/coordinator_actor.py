@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import ray
 
-from distflow_lab.core.config import Balance
 from distflow_lab.dataplane.double_buffer import DoubleBuffer
+from distflow_lab.dataplane.interface import Routing
 from distflow_lab.dataplane.routing import route
 
 
@@ -47,6 +47,7 @@ class CoordinatorRestarted(CoordinatorError):
 @dataclass
 class _Edge:
     lengths: dict[int, np.ndarray] = field(default_factory=dict)
+    groups: dict[int, np.ndarray | None] = field(default_factory=dict)
     refs: dict[int, Any] = field(default_factory=dict)
     rows: dict[int, list[np.ndarray]] = field(default_factory=dict)  # producer -> rows per consumer
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -110,7 +111,7 @@ class Coordinator:
 
     # ---- protocol -------------------------------------------------------------------
     async def publish(self, step: int, edge: str, producer: int, lengths: np.ndarray, ref: list,
-                      n_producers: int, n_consumers: int, policy: Balance | str) -> None:
+                      n_producers: int, n_consumers: int, routing: Routing, groups: np.ndarray | None = None) -> None:
         """A producer's item lengths and the reference of its output (`ref[0]`, kept
         a reference: Ray does not resolve a ref nested in a list)."""
         self.calls += 1
@@ -118,14 +119,15 @@ class Coordinator:
         e = self._edge(step, edge)
         if producer in e.lengths:
             raise CoordinatorError(f"step {step} edge {edge}: producer {producer} published twice")
-        e.lengths[producer], e.refs[producer] = np.asarray(lengths), ref[0]
+        e.lengths[producer], e.refs[producer], e.groups[producer] = np.asarray(lengths), ref[0], groups
         self.meta_bytes += e.lengths[producer].nbytes
         c = self._count(step, edge)
         c.items_reported += len(lengths)
         c.items_in += len(lengths)
         c.pieces_in += 1
         if len(e.lengths) == n_producers:
-            rows = route([e.lengths[p] for p in range(n_producers)], n_consumers, policy)
+            rows = route([e.lengths[p] for p in range(n_producers)], n_consumers, routing.policy,
+                         groups_by_producer=[e.groups[p] for p in range(n_producers)], **routing.kwargs())
             e.rows = dict(enumerate(rows))
             e.ready.set()
         self.busy_s += time.perf_counter() - t0

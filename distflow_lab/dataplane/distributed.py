@@ -26,8 +26,8 @@ from distflow_lab.core.errors import BufferLost, StageError
 from distflow_lab.core.spans import Span, SpanRecorder
 from distflow_lab.dataplane.buffer_actor import BufferRestarted, DataBuffer
 from distflow_lab.dataplane.cache import LocalCache
-from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, wait_alive
-from distflow_lab.dataplane.routing import item_lengths
+from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, Routing, wait_alive
+from distflow_lab.dataplane.routing import item_groups, item_lengths
 
 if TYPE_CHECKING:
     from distflow_lab.graph.planner import Edge, Stage
@@ -76,7 +76,7 @@ class DistributedPlane:
         self.buffers, _, self.buffer_of_worker = place_buffers(setup.worker_nodes, sw.num_buffers,
                                                                sw.double_buffer, setup.wait_timeout_s)
         ray.get([b.ping.remote() for b in self.buffers], timeout=120)
-        return BufferSpec(self.buffers, self.buffer_of_worker, sw.local_cache, sw.balance)
+        return BufferSpec(self.buffers, self.buffer_of_worker, sw.local_cache, setup.routing)
 
     def begin_step(self, step: int) -> None:
         pass
@@ -146,7 +146,7 @@ class BufferSpec:
     buffers: list
     buffer_of_worker: list[int]
     local_cache: bool
-    balance: Balance
+    routing: Routing
     loads_data: bool = True
 
     def bind(self, rank: int, recorder: SpanRecorder) -> "BufferPort":
@@ -218,13 +218,14 @@ class BufferPort:
             return None
         if stage.group_rank(self.rank) != 0:  # only tensor-parallel rank 0 writes: no duplicates
             return None
-        policy = self.spec.balance if edge.kind == "redistribute" else Balance.IDENTITY
+        routing = self.spec.routing if edge.kind == "redistribute" else Routing(Balance.IDENTITY)
         me, mine = stage.dp_rank(self.rank), self._buffer_of(self.rank)
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "plan", items=len(out)):
-            lengths = item_lengths(out)
-            reports = [b.report.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, policy, False)
+            lengths, groups = item_lengths(out), item_groups(out)
+            reports = [b.report.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, routing, False, groups)
                        for b in self.buffers if b is not mine]  # awaited with the pieces below
-            pieces = ray.get(mine.report_and_plan.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, policy))
+            pieces = ray.get(mine.report_and_plan.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, routing,
+                                                         groups))
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
             acks = []
             for b, consumers in self._consumers_by_buffer(consumer).items():

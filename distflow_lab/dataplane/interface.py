@@ -28,11 +28,24 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import Switches
+from distflow_lab.core.config import Balance, Switches
 from distflow_lab.core.spans import Span, SpanRecorder
 
 if TYPE_CHECKING:
     from distflow_lab.graph.planner import Edge, Plan, Stage
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How items are balanced where the layout changes: the policy, the workload
+    cost (a, b) of the model when known, and the optimizer's mini-batch count."""
+
+    policy: Balance = Balance.LPT
+    cost: tuple[float, float] | None = None
+    minibatches: int = 1
+
+    def kwargs(self) -> dict:
+        return {"cost": self.cost, "minibatches": self.minibatches}
 
 
 @dataclass
@@ -45,6 +58,7 @@ class PlaneSetup:
     worker_nodes: list[str]  # full Ray node id of every worker rank
     wait_timeout_s: float  # longest an actor waits for producers before failing the step
     driver_context: Callable[..., Any] | None = None  # (step, stage, dp_rank, loader) -> a stage context
+    routing: Routing = field(default_factory=Routing)
 
 
 @dataclass

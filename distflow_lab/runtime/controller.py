@@ -39,7 +39,7 @@ from distflow_lab.core.config import SessionConfig
 from distflow_lab.core.errors import (CheckpointError, PlaneLost, SessionBroken, StageError, StageTimeout,
                                       WorkerLost)
 from distflow_lab.core.spans import spans_to_frame
-from distflow_lab.dataplane.interface import DataPlane, PlaneSetup
+from distflow_lab.dataplane.interface import DataPlane, PlaneSetup, Routing
 from distflow_lab.datasets.loader import check_data_node
 from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.planner import Plan, Stage
@@ -54,8 +54,9 @@ SETUP_STAGES = 4  # engine set-up (model loading) may take this many stage timeo
 
 class Controller:
     def __init__(self, dag: DAG, config: SessionConfig, plane: DataPlane, engines: str | Callable | None = None,
-                 reuse: "Controller | None" = None) -> None:
+                 reuse: "Controller | None" = None, routing: Routing | None = None) -> None:
         self.config, self.dag, self.plane, self.engines = config, dag, plane, engines
+        self.routing = routing or Routing(config.switches.balance)
         self.plan: Plan = dag.plan(config.cluster.world_size)
         self.mode = plane.mode
         self.step_index, self.next_stage = 0, 0
@@ -93,7 +94,7 @@ class Controller:
         try:
             spec = self.plane.start(PlaneSetup(self.plan, self.config.switches, self.config.seed,
                                                self.placement.worker_nodes, c.buffer_wait_timeout_s,
-                                               self.driver_context))
+                                               self.driver_context, self.routing))
             self._init_torch_distributed()
             threads = c.threads_per_worker or default_threads(c.world_size)
             setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.session_id, self.config.algo,
