@@ -301,3 +301,19 @@ def test_group_balance_keeps_a_prompts_responses_on_one_rank_in_every_mode(ray_c
     finally:
         s.close()
     assert by_mode["distributed"] == by_mode["coordinator"] == by_mode["centralized"]
+
+
+def test_coordinator_objects_per_sample_or_per_output_give_the_same_rows(ray_cluster):
+    """rows_per_object=1 (one object per sample, siiRL's layout) and 0 (one per producer output)
+    route the same rows to the same ranks; per sample, a consumer reads only objects it uses."""
+    s = lab.session(dag(), world_size=W, mode="coordinator", rows_per_object=1)
+    try:
+        per_sample = [s.step().metrics for _ in range(2)]
+        rows = [b["uid"].tolist() for b in all_rows(s, "old_log_prob")]
+        moved = s.history[-1].rpcs
+        s.reopen(rows_per_object=0)
+        assert [s.step().metrics for _ in range(2)] == per_sample
+        assert [b["uid"].tolist() for b in all_rows(s, "old_log_prob")] == rows
+        assert s.history[-1].rpcs < moved  # one put per producer instead of one per sample
+    finally:
+        s.close()

@@ -53,7 +53,8 @@ class CoordinatorPlane:
             max_restarts=3,  # a killed coordinator comes back empty; the step is retried
         ).remote(setup.switches.double_buffer, setup.wait_timeout_s)
         ray.get(self.coordinator.ping.remote(), timeout=120)
-        return CoordinatorSpec(self.coordinator, setup.switches.local_cache, setup.routing)
+        return CoordinatorSpec(self.coordinator, setup.switches.local_cache, setup.routing,
+                               setup.switches.rows_per_object)
 
     def begin_step(self, step: int) -> None:
         pass
@@ -117,6 +118,7 @@ class CoordinatorSpec:
     coordinator: Any
     local_cache: bool
     routing: Routing
+    rows_per_object: int = 0
     loads_data: bool = True
 
     def bind(self, rank: int, recorder: SpanRecorder) -> "CoordinatorPort":
@@ -188,13 +190,14 @@ class CoordinatorPort:
             return None
         routing = self.spec.routing if edge.kind == "redistribute" else Routing(Balance.IDENTITY)
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
-            ref = ray.put(out)  # once, into this node's object store
+            k = self.spec.rows_per_object or max(1, len(out))
+            refs = [ray.put(out.select(slice(i, i + k))) for i in range(0, len(out), k)]  # into this node's store
             sp.bytes = out.nbytes
             # not awaited: consumers wait for every producer anyway; its outcome is checked at the next fetch
             self.published.append(self.coord.publish.remote(step, edge.name, stage.dp_rank(self.rank),
-                                                            item_lengths(out), [ref], stage.dp, consumer.dp, routing,
-                                                            item_groups(out)))
-            self.rpcs += 2  # the put and the call
+                                                            item_lengths(out), refs, k, stage.dp, consumer.dp,
+                                                            routing, item_groups(out)))
+            self.rpcs += len(refs) + 1  # the puts and the call
         return None
 
     def _check_published(self) -> None:

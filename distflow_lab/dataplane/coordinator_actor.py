@@ -4,14 +4,17 @@ producer's item lengths and the object reference of its output, balances the
 items over the consumers, and tells each consumer which rows of which
 producer object are its own. Payloads never pass through it:
 
-1. every producer (tensor-parallel rank 0 of its group) `ray.put`s its whole
-   output once, in its own node's object store, and `publish`es the item
-   lengths with the reference;
+1. every producer (tensor-parallel rank 0 of its group) `ray.put`s its output
+   once, in its own node's object store — one object per `rows_per_object`
+   rows (1: per sample, as siiRL; 0: the whole output) — and `publish`es the
+   item lengths with the references;
 2. when all producers have published, the coordinator routes the items
    (`routing.route`: the same balancing as every other mode) — one
    computation in one place, instead of one per buffer;
 3. each consumer asks `get_meta` for its (reference, row indices) list and
-   reads the rows straight from the producers' objects.
+   reads the rows straight from the producers' objects (only the objects that
+   hold its rows: a consumer on another node pulls no row it does not use
+   when objects hold one row each).
 
 Per step: producers + consumers calls to one actor, against the DataBuffers'
 producers x buffers reports + producers plans + producers x nodes pieces +
@@ -48,7 +51,8 @@ class CoordinatorRestarted(CoordinatorError):
 class _Edge:
     lengths: dict[int, np.ndarray] = field(default_factory=dict)
     groups: dict[int, np.ndarray | None] = field(default_factory=dict)
-    refs: dict[int, Any] = field(default_factory=dict)
+    refs: dict[int, list] = field(default_factory=dict)  # producer -> its objects, each `chunk` rows
+    chunk: dict[int, int] = field(default_factory=dict)
     rows: dict[int, list[np.ndarray]] = field(default_factory=dict)  # producer -> rows per consumer
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -110,16 +114,17 @@ class Coordinator:
         return rows
 
     # ---- protocol -------------------------------------------------------------------
-    async def publish(self, step: int, edge: str, producer: int, lengths: np.ndarray, ref: list,
+    async def publish(self, step: int, edge: str, producer: int, lengths: np.ndarray, refs: list, chunk: int,
                       n_producers: int, n_consumers: int, routing: Routing, groups: np.ndarray | None = None) -> None:
-        """A producer's item lengths and the reference of its output (`ref[0]`, kept
-        a reference: Ray does not resolve a ref nested in a list)."""
+        """A producer's item lengths and the references of its output: object i holds its
+        rows [i*chunk, (i+1)*chunk) (refs stay refs: Ray does not resolve refs nested in a list)."""
         self.calls += 1
         t0 = time.perf_counter()
         e = self._edge(step, edge)
         if producer in e.lengths:
             raise CoordinatorError(f"step {step} edge {edge}: producer {producer} published twice")
-        e.lengths[producer], e.refs[producer], e.groups[producer] = np.asarray(lengths), ref[0], groups
+        e.lengths[producer], e.refs[producer], e.groups[producer] = np.asarray(lengths), list(refs), groups
+        e.chunk[producer] = max(1, chunk)
         self.meta_bytes += e.lengths[producer].nbytes
         c = self._count(step, edge)
         c.items_reported += len(lengths)
@@ -133,8 +138,8 @@ class Coordinator:
         self.busy_s += time.perf_counter() - t0
 
     async def get_meta(self, step: int, edge: str, consumer: int, count_as_out: bool) -> list[tuple[Any, np.ndarray]]:
-        """(producer object ref, row indices) for every producer holding rows of `consumer`,
-        in producer order: reading them in this order gives the consumer's rows in global order."""
+        """(object ref, row indices in it) for every object holding rows of `consumer`, in
+        producer then row order: reading them in this order gives its rows in global order."""
         self.calls += 1
         e = self._edge(step, edge)
         try:
@@ -145,7 +150,7 @@ class Coordinator:
         if step in self._aborted:
             raise CoordinatorError(f"step {step} was aborted while waiting on edge {edge}: {self._aborted[step]}")
         t0 = time.perf_counter()
-        got = [(e.refs[p], e.rows[p][consumer]) for p in sorted(e.rows) if len(e.rows[p][consumer])]
+        got = [piece for p in sorted(e.rows) for piece in _by_object(e.refs[p], e.chunk[p], e.rows[p][consumer])]
         self.meta_bytes += sum(rows.nbytes for _, rows in got)
         if count_as_out:
             c = self._count(step, edge)
@@ -180,3 +185,12 @@ class Coordinator:
 
     async def ping(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+
+def _by_object(refs: list, chunk: int, rows: np.ndarray) -> list[tuple[Any, np.ndarray]]:
+    """A producer's rows (ascending) split by the object holding them: (ref, rows in it)."""
+    if not len(rows):
+        return []
+    obj = rows // chunk
+    cut = np.flatnonzero(np.diff(obj)) + 1
+    return [(refs[int(o[0])], r - int(o[0]) * chunk) for o, r in zip(np.split(obj, cut), np.split(rows, cut))]

@@ -1,6 +1,9 @@
-"""Cost model of one GRPO step, centralized (verl-style) vs distributed (DistFlow), 8 to 512
-devices: calibrated from measured spans (`calibrate`) or the paper's Table 1 (`paper_calibration`),
-plotted beside measured points (`measure_scaling`) and the paper's figures (`scaling_plot`).
+"""Cost model of one GRPO step in the three data planes — centralized (verl-style),
+coordinator (siiRL DataCoordinator / verl TransferQueue) and distributed (DistFlow) —
+8 to 512 devices: calibrated from measured spans (`calibrate`), the coordinator
+micro-benchmark (`fit_coordinator`) or the paper's Table 1 (`paper_calibration`),
+plotted beside measured points (`experiments.bench.scaling.measure_scaling`) and
+the paper's figures (`scaling_plot`).
 
 Workload: D devices on N = ceil(D/g) nodes (g = gpus_per_node); f_x = 1 - 1/N is
 the share of a uniformly spread transfer that crosses nodes. B responses per step
@@ -13,6 +16,13 @@ L tokens of context, W = B*L*beta bytes in the final batch.
     distributed (R_d redistributions, S stages):
       transfer = R_d * [(N+D)*o_obj + rho*W/D*(2*b_local + f_x*b_net)]   put N, get D pieces
       control  = S*o_stage + R_d*N*o_call           stage messages + buffer RPCs
+    coordinator (one actor; producers put whole outputs once, consumers pull their rows):
+      transfer = R_d * [2*D*o_obj + rho*W/D*2*b_local + f_x*N*rho*W/D*b_net]
+                 a consumer node pulls every remote producer's WHOLE object: N x the cross-node
+                 bytes of the distributed mode, against one fewer round trip and no per-node actor
+      control  = S*o_stage + R_d*[2*o_call + 2*D*o_coord + B*o_route]
+                 every producer's and consumer's call queues at the one actor (o_coord each), which
+                 routes B items (o_route each): the coordinator's cost grows with D and B
     centralized (S_c = S - 1 stages dispatched; the data stage loads on the driver):
       V        = p_c * W                         bytes through the driver per step
       transfer = 2*S_c*D*o_obj + V*(b_drv + b_concat)    the driver: D chunks out, D in
@@ -77,6 +87,10 @@ class Calibration:
     len_sigma: float = _p(0.6, "", "lognormal sigma of sequence lengths (load balancing)", "synthetic.py default")
     len_median_frac: float = _p(0.25, "", "median sequence length / L", "synthetic.py: median = max_response_len/4")
     jitter_cv: float = _p(0.0, "", "cv: per-device speed jitter (coefficient of variation) at barriers", "assumed")
+    o_coord: float = _p(50e-6, "s", "coordinator: actor time per metadata call (publish or get_meta)",
+                        "bench coordinator, 8x8, by hand: busy 0.8 ms / 16 calls")
+    o_route: float = _p(2.5e-6, "s/item", "coordinator: routing time per item (LPT + refinement)",
+                        "bench coordinator, 64x64, by hand: (busy 17 ms - 128 calls x o_coord) / 4096 items")
     sources: dict = field(default_factory=dict)
     measured: dict = field(default_factory=dict)
 
@@ -110,7 +124,8 @@ def predict(cal: Calibration, devices, batch="proportional", context: int = 1638
             nodes: int | None = None) -> pd.DataFrame:
     """Predicted step per (mode, devices). `batch`: "proportional" (B = b*D) or an int (constant B);
     `mode`: one, a list or "both"; `nodes` fixes N (a simulated cluster) instead of ceil(D/g)."""
-    modes = ["distributed", "centralized"] if mode == "both" else [mode] if isinstance(mode, str) else list(mode)
+    every = ["distributed", "coordinator", "centralized"]
+    modes = every if mode in ("both", "all") else [mode] if isinstance(mode, str) else list(mode)
     rows = []
     for m in modes:
         for d in sorted(int(x) for x in devices):
@@ -122,6 +137,10 @@ def predict(cal: Calibration, devices, batch="proportional", context: int = 1638
             if m == "distributed":
                 tr = cal.redistributions * ((n + d) * cal.o_obj + cal.rho * w / d * (2 * cal.b_local + fx * cal.b_net))
                 ctl = cal.stages * cal.o_stage + cal.redistributions * n * cal.o_call
+            elif m == "coordinator":
+                tr = cal.redistributions * (2 * d * cal.o_obj + cal.rho * w / d * (2 * cal.b_local + fx * n * cal.b_net))
+                ctl = cal.stages * cal.o_stage + cal.redistributions * (
+                    2 * cal.o_call + 2 * d * cal.o_coord + b * cal.o_route)
             else:
                 v = cal.passes_c * w
                 tr = 2 * sc * (d + 1) * cal.o_obj + v * (cal.b_drv + cal.b_concat + cal.b_wrk / d + fx * cal.b_nic)
@@ -134,6 +153,20 @@ def predict(cal: Calibration, devices, batch="proportional", context: int = 1638
     first = df.groupby("mode")[["devices", "throughput"]].transform("first")
     df["scaling_efficiency"] = (df["throughput"] / first["throughput"]) / (df["devices"] / first["devices"])
     return df
+
+
+def fit_coordinator(records: list[dict] | pd.DataFrame, base: Calibration | None = None) -> Calibration:
+    """o_coord and o_route from `distflow-lab bench coordinator` records: least squares of the
+    actor's busy seconds per step on (calls, items), both clipped at 0."""
+    df = pd.DataFrame(records)
+    x = np.c_[df["producers"] + df["consumers"], df["items"]].astype(float)
+    coef, *_ = np.linalg.lstsq(x, df["busy_ms_median"].to_numpy(float) / 1e3, rcond=None)
+    cal = replace(base or Calibration(), sources=dict((base or Calibration()).sources), measured={})
+    cal.o_coord, cal.o_route = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
+    tag = f"fit: bench coordinator, {len(df)} sizes ({int(df['producers'].min())}..{int(df['producers'].max())})"
+    cal.sources.update(o_coord=tag, o_route=tag)
+    cal.measured["coordinator_busy_ms"] = df["busy_ms_median"].tolist()
+    return cal
 
 
 def _crit(spans: pd.DataFrame, phases) -> float:

@@ -21,13 +21,14 @@ from tqdm.auto import tqdm
 
 from distflow_lab.core.config import Balance
 from distflow_lab.dataplane.coordinator_actor import Coordinator
+from distflow_lab.dataplane.interface import Routing
 from distflow_lab.experiments.bench.common import print_table, summarize, write_json
 from distflow_lab.runtime.cluster import connect
 
 
 def one_step(coord, step: int, producers: int, consumers: int, lengths: list[np.ndarray], ref) -> None:
-    ray.get([coord.publish.remote(step, "e", p, lengths[p], [ref], producers, consumers, Balance.LPT)
-             for p in range(producers)])
+    ray.get([coord.publish.remote(step, "e", p, lengths[p], [ref] * len(lengths[p]), 1, producers, consumers,
+                                  Routing(Balance.LPT)) for p in range(producers)])
     ray.get([coord.get_meta.remote(step, "e", c, True) for c in range(consumers)])
     ray.get(coord.end_step.remote(step))
 
@@ -36,7 +37,7 @@ def measure(producers: int, consumers: int, items: int, steps: int, seed: int = 
     coord = Coordinator.remote(double_buffer=True, wait_timeout_s=60)
     rng = np.random.default_rng(seed)
     lengths = [rng.lognormal(np.log(400), 1.0, items).astype(np.int64).clip(1, 8192) for _ in range(producers)]
-    ref = ray.put(np.zeros(8))  # stands in for a producer's output: only its reference travels
+    ref = ray.put(np.zeros(8))  # stands in for a producer's samples: only references travel
     try:
         one_step(coord, -1, producers, consumers, lengths, ref)  # warm-up
         walls, busy = [], []
