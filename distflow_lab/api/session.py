@@ -48,7 +48,8 @@ def session_config(base: SessionConfig | dict | None = None, *,
                    buffer_wait_timeout_s: float | None = None, torch_distributed: bool | None = None,
                    # switches
                    local_cache: bool | None = None, double_buffer: bool | None = None,
-                   balance: Balance | str | None = None, num_buffers: int | str | None = None) -> SessionConfig:
+                   balance: Balance | str | None = None, num_buffers: int | str | None = None,
+                   rows_per_object: int | None = None) -> SessionConfig:
     """`base` with the given options changed (None: unchanged); checked as a whole,
     including that every switch set means something in the mode."""
     base = base if isinstance(base, SessionConfig) else load_model(SessionConfig, dict(base or {}))
@@ -58,7 +59,8 @@ def session_config(base: SessionConfig | dict | None = None, *,
         threads_per_worker=threads_per_worker, stage_timeout_s=stage_timeout_s,
         buffer_wait_timeout_s=buffer_wait_timeout_s, torch_distributed=torch_distributed)}
     switches = {**base.switches.model_dump(exclude_unset=True), **given(
-        local_cache=local_cache, double_buffer=double_buffer, balance=balance, num_buffers=num_buffers)}
+        local_cache=local_cache, double_buffer=double_buffer, balance=balance, num_buffers=num_buffers,
+        rows_per_object=rows_per_object)}
     top = {**base.model_dump(exclude={"algo", "cluster", "switches"}),
            **given(mode=mode, seed=seed, keep_outputs=keep_outputs, history_steps=history_steps)}
     cfg = SessionConfig(**{**top, "cluster": load_model(ClusterOptions, cluster, "cluster options"),
