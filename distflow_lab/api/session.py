@@ -219,6 +219,10 @@ class Session:
         """For each redistribute edge: (item token lengths of the latest step, consumers' dp size)."""
         return self.controller.redistribution_lengths()
 
+    def items(self) -> pd.DataFrame:
+        """Per (step, stage, item): its id, token length, producing worker and input route (metadata only)."""
+        return self.controller.items()
+
     def ledger(self) -> pd.DataFrame:
         """Items in/out of the data plane per (step, edge): nothing lost, nothing duplicated."""
         return self.controller.ledger()

@@ -373,6 +373,22 @@ class Controller:
     def metrics(self) -> pd.DataFrame:
         return pd.DataFrame(self.metric_rows)
 
+    def items(self) -> pd.DataFrame:
+        """One row per (step, stage, item) the driver kept: the item's id and token length,
+        the worker and data-parallel rank that produced it, and how its input arrived."""
+        frames = []
+        for rep in [*self.history, *([StepReport(self.step_index, self.mode, self._current, 0.0)]
+                                     if self._current else [])]:
+            for st in rep.stages:
+                for r in st.results:
+                    if r.item_ids is not None and len(r.item_ids):
+                        frames.append(pd.DataFrame({
+                            "step": r.step, "stage": r.stage_id, "stage_index": r.stage, "worker": r.worker,
+                            "dp_rank": r.dp_rank, "route_in": r.route_in, "item_id": r.item_ids,
+                            "tokens": r.item_tokens}))
+        cols = ["step", "stage", "stage_index", "worker", "dp_rank", "route_in", "item_id", "tokens"]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
+
     def ledger(self) -> pd.DataFrame:
         """Items in and out of the data plane per (step, edge): nothing lost, nothing duplicated.
         Collected by the driver at every step end, so it survives an actor restart."""

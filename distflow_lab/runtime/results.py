@@ -39,6 +39,8 @@ class StageResult:
     seconds: float = 0.0
     counts: dict[str, float] = field(default_factory=dict)
     rpcs: int = 0  # Ray calls this worker's data-plane port made for this stage
+    item_ids: np.ndarray | None = None  # the `item_id` of every output row (tensor-parallel rank 0 only)
+    item_tokens: np.ndarray | None = None  # and its token length: per-item metadata for lineage and replay
 
 
 def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:

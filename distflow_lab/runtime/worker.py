@@ -34,6 +34,7 @@ from distflow_lab.datasets.loader import ShardedLoader, make_loader
 from distflow_lab.graph.nodes import call_stage, resolve_function
 from distflow_lab.graph.planner import Plan, Stage
 from distflow_lab.runtime.context import StageContext, stage_context
+from distflow_lab.runtime.profiling import ProfileSpec, profile_stage
 from distflow_lab.runtime.progress import ProgressNote
 from distflow_lab.runtime.results import StageResult
 from distflow_lab.runtime.samples import sample_rows
@@ -52,6 +53,16 @@ class WorkerSetup:
     engines: str | Callable | None = None  # factory(ctx, config) -> dict of engines
     keep_outputs: bool = True  # keep each stage's output of the latest step (for peek)
     threads: int = 1
+    profile: ProfileSpec | None = None  # torch.profiler traces of chosen stages and steps
+
+
+def with_item_ids(out: Batch, step: int, stage: int, dp_rank: int) -> Batch:
+    """Rows keep their `item_id` across stages and edges; rows a stage created get one:
+    (step, stage, dp rank, row) packed in an int64 (the same in every mode)."""
+    if "item_id" in out or not len(out):
+        return out
+    ids = (step << 36) | (stage << 28) | (dp_rank << 18) | torch.arange(len(out), dtype=torch.int64)
+    return out.with_columns(item_id=ids)
 
 
 class DAGWorker:
@@ -169,16 +180,21 @@ class DAGWorker:
         handoff = self.port.publish(step, st, edge_out, self.plan.stages[edge_out.dst] if edge_out else None,
                                     out, got.batch)
         moved = got.route not in ("cache", "loader", "none")
+        tokens = item_lengths(out) if len(out) else np.zeros(0, np.int64)
+        first = ctx.group_rank == 0
         result = StageResult(step, st.index, st.id, self.rank, ctx.dp_rank, ctx.group_rank, len(got.batch), len(out),
-                             int(item_lengths(out).sum()) if len(out) else 0, got.batch.nbytes if moved else 0,
+                             int(tokens.sum()), got.batch.nbytes if moved else 0,
                              out.nbytes, got.route, got.cache_hit, dict(ctx.metrics), self.rec.take(),
-                             time.perf_counter() - t0, dict(ctx.counts), self.port.rpcs)
+                             time.perf_counter() - t0, dict(ctx.counts), self.port.rpcs,
+                             out["item_id"].numpy().copy() if first and "item_id" in out else None,
+                             tokens if first else None)
         self.port.rpcs = 0
         return result, handoff
 
     def _compute(self, step: int, st: Stage, batch: Batch) -> tuple[Batch, StageContext]:
         ctx = self._ctx(step, st)
-        with self.rec.span(step, st.id, "compute", items=len(batch)) as sp:
+        with self.rec.span(step, st.id, "compute", items=len(batch)) as sp, \
+                profile_stage(self.s.profile, step, st.id, self.rank):
             try:
                 out = call_stage(self.fns[st.index], batch, ctx)
             except Exception as e:
@@ -190,6 +206,7 @@ class DAGWorker:
                                  f"(worker {self.rank}, step {step})", step=step, stage=st.id, worker=self.rank)
             sp.tokens = int(item_lengths(out).sum()) if len(out) else 0
         self._check_contract(step, st, batch, out)
+        out = with_item_ids(out, step, st.index, ctx.dp_rank)
         if self.s.keep_outputs:
             self.outputs[st.id] = out
         return out, ctx
