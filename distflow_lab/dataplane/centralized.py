@@ -69,9 +69,9 @@ class CentralizedPlane:
             sp.items, sp.bytes = len(self.batch), self.batch.nbytes
         return self.rec.take()
 
-    def stage_args(self, step: int, stage: "Stage", world_size: int) -> list[Any]:
+    def stage_args(self, step: int, stage: "Stage") -> list[Any]:
         if stage.index == 0:
-            return [[] for _ in range(world_size)]
+            return [[] for _ in stage.ranks]
         edge = self.plan.edge_into(stage.index)
         with self.rec.span(step, stage.id, "split") as sp:
             if edge.kind == "redistribute":
@@ -88,10 +88,10 @@ class CentralizedPlane:
         self._counts[edge.name] = {"step": step, "edge": edge.name, "items_reported": len(self.batch),
                                    "items_in": sum(len(c) for c in chunks), "items_out": 0,
                                    "pieces_in": len(chunks), "pieces_out": 0}
-        return [[refs[stage.dp_rank(w)]] for w in range(world_size)]
+        return [[refs[stage.dp_rank(w)]] for w in stage.ranks]
 
     def stage_done(self, step: int, stage: "Stage", handoffs: list[Any]) -> list[Span]:
-        writers = [h for w, h in enumerate(handoffs) if stage.group_rank(w) == 0]  # dp-rank order
+        writers = [h for w, h in zip(stage.ranks, handoffs) if stage.group_rank(w) == 0]  # dp-rank order
         edge = self.plan.edge_into(stage.index)
         if edge is not None and edge.name in self._counts:
             c = self._counts[edge.name]

@@ -62,8 +62,8 @@ class CoordinatorPlane:
     def run_on_driver(self, step: int, stage: "Stage") -> list[Span] | None:
         return None
 
-    def stage_args(self, step: int, stage: "Stage", world_size: int) -> list[Any]:
-        return [None] * world_size
+    def stage_args(self, step: int, stage: "Stage") -> list[Any]:
+        return [None] * stage.workers
 
     def stage_done(self, step: int, stage: "Stage", handoffs: list[Any]) -> list[Span]:
         return []

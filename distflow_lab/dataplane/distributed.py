@@ -84,8 +84,8 @@ class DistributedPlane:
     def run_on_driver(self, step: int, stage: "Stage") -> list[Span] | None:
         return None
 
-    def stage_args(self, step: int, stage: "Stage", world_size: int) -> list[Any]:
-        return [None] * world_size
+    def stage_args(self, step: int, stage: "Stage") -> list[Any]:
+        return [None] * stage.workers
 
     def stage_done(self, step: int, stage: "Stage", handoffs: list[Any]) -> list[Span]:
         return []
@@ -243,5 +243,5 @@ class BufferPort:
         """Consumer dp ranks grouped by the buffer of their node (group rank 0's worker)."""
         out: dict[int, list[int]] = {}
         for c in range(consumer.dp):
-            out.setdefault(self.buffer_of_worker[c * consumer.group_size], []).append(c)
+            out.setdefault(self.buffer_of_worker[consumer.worker_of(c)], []).append(c)
         return out

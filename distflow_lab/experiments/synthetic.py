@@ -161,15 +161,17 @@ def _knobs(**kw) -> dict:
 
 def synthetic_grpo(batch_size: int = 16, n: int = 4, max_prompt_len: int = 256, max_response_len: int = 256,
                    rollout_tp: int = 1, us_per_token: float = 0.0, data: DataSpec | None = None,
-                   response_len_mean: float | None = None, response_len_sigma: float = 0.6) -> DAG:
-    """The synthetic GRPO DAG: `batch_size` prompts per step, `n` responses each."""
+                   response_len_mean: float | None = None, response_len_sigma: float = 0.6,
+                   groups: dict[str, int] | None = None) -> DAG:
+    """The synthetic GRPO DAG: `batch_size` prompts per step, `n` responses each; with
+    `groups` (e.g. {"rollout": 2, "train": 2}) generation and training on disjoint workers."""
     sim = {"params": _knobs(us_per_token=us_per_token)}
     roll = {"params": _knobs(n=n, max_prompt_len=max_prompt_len, max_response_len=max_response_len,
                              response_len_mean=response_len_mean, response_len_sigma=response_len_sigma,
                              us_per_token=us_per_token)}
     extras = {"rollout": roll, "old_log_prob": sim, "ref_log_prob": sim, "actor_update": sim}
     return grpo_shape(GRPO_FNS, data or synthetic_data(batch_size, max_len=max_prompt_len), rollout_tp, extras,
-                      name="synthetic-grpo")
+                      name="synthetic-grpo", groups=groups)
 
 
 def synthetic_ppo(batch_size: int = 16, n: int = 1, max_prompt_len: int = 256, max_response_len: int = 256,

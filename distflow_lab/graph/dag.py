@@ -26,11 +26,24 @@ class DAG:
         dag.node("rollout", fn=my_rollout, deps=["data"], layout=Layout(tp=2))
     """
 
-    def __init__(self, name: str, nodes: list[Node] | None = None) -> None:
+    def __init__(self, name: str, nodes: list[Node] | None = None, groups: dict[str, int] | None = None) -> None:
         self.name = name
         self._nodes: dict[str, Node] = {}
+        self.groups: dict[str, int] | None = None
+        if groups:
+            self.with_groups(**groups)
         for n in nodes or []:
             self.add(n)
+
+    def with_groups(self, **sizes: int) -> "DAG":
+        """Put stages on named worker groups (e.g. `rollout=2, train=2`): every node's layout then
+        names its group, ranks are given to the groups in this order, and world_size is their sum.
+        Without groups every stage runs on every worker (colocated)."""
+        bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise DAGError(f"DAG {self.name!r}: group sizes must be positive integers, got {bad}")
+        self.groups = dict(sizes) or None
+        return self
 
     # ---- building and editing ---------------------------------------------
     def node(self, id: str, fn: str | StageFn, **fields: Any) -> "DAG":
@@ -54,7 +67,7 @@ class DAG:
         return self
 
     def copy(self, name: str | None = None) -> "DAG":
-        return DAG(name or self.name, [n.model_copy(deep=True) for n in self._nodes.values()])
+        return DAG(name or self.name, [n.model_copy(deep=True) for n in self._nodes.values()], self.groups)
 
     # ---- access -------------------------------------------------------------
     def __getitem__(self, id: str) -> Node:
@@ -88,10 +101,18 @@ class DAG:
             raise DAGError(f"DAG {self.name!r} has a cycle: {' -> '.join(cycle)}")
         if not [n for n in self if not n.deps]:
             raise DAGError(f"DAG {self.name!r} has no entry node (every node has dependencies)")
+        for n in self:
+            if self.groups and n.layout.group not in self.groups:
+                raise DAGError(f"node {n.id!r}: its layout names group {n.layout.group!r}; this DAG's groups are "
+                               f"{list(self.groups)} (every node names one)")
+            if not self.groups and n.layout.group is not None:
+                raise DAGError(f"node {n.id!r}: its layout names group {n.layout.group!r} but the DAG has no groups "
+                               "(dag.with_groups(rollout=..., train=...))")
         if world_size is not None:
             for n in self:
+                workers = self.groups[n.layout.group] if self.groups else world_size
                 try:
-                    n.layout.resolve(world_size)
+                    n.layout.resolve(workers)
                 except ValueError as e:
                     raise DAGError(f"node {n.id!r}: {e}") from None
         if resolve:
@@ -131,16 +152,17 @@ class DAG:
                 )
             d = n.model_dump(exclude={"fn"}, exclude_defaults=True)
             nodes.append({"id": n.id, "fn": n.fn_name(), **{k: v for k, v in d.items() if k != "id"}})
-        return {"name": self.name, "nodes": nodes}
+        return {"name": self.name, **({"groups": dict(self.groups)} if self.groups else {}), "nodes": nodes}
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "<dict>") -> "DAG":
-        if not isinstance(d, dict) or set(d) - {"name", "nodes"} or "nodes" not in d:
-            raise DAGError(f"{source}: a DAG needs exactly the keys 'name' and 'nodes', got {list(d or {})}")
-        dag = cls(str(d.get("name", "dag")))
+        if not isinstance(d, dict) or set(d) - {"name", "nodes", "groups"} or "nodes" not in d:
+            raise DAGError(f"{source}: a DAG needs the keys 'name' and 'nodes' (and optionally 'groups'), "
+                           f"got {list(d or {})}")
+        dag = cls(str(d.get("name", "dag")), groups=d.get("groups"))
         for i, raw in enumerate(d["nodes"] or []):
             node_id = raw.get("id", f"#{i}") if isinstance(raw, dict) else f"#{i}"
             if not isinstance(raw, dict):
@@ -162,7 +184,7 @@ class DAG:
         return plan(self, world_size)
 
     def __repr__(self) -> str:
-        lines = [f"DAG {self.name!r} ({len(self)} nodes)"]
+        lines = [f"DAG {self.name!r} ({len(self)} nodes{f', groups {self.groups}' if self.groups else ''})"]
         for n in self:
             deps = f" <- {', '.join(n.deps)}" if n.deps else ""
             lines.append(f"  {n.id} [{n.role}/{n.type}, {n.layout}] {n.fn_name()}{deps}")

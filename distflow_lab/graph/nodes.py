@@ -22,18 +22,21 @@ class Layout(BaseModel):
     ranks as the workers allow": world_size // tp."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    dp: int | None = Field(default=None, ge=1, description="data-parallel size (None: world_size // tp)")
+    dp: int | None = Field(default=None, ge=1, description="data-parallel size (None: group workers // tp)")
     tp: int = Field(default=1, ge=1, description="tensor-parallel size (ranks that see the same data)")
+    group: str | None = Field(default=None, description="the DAG's worker group this stage runs on (None: all)")
 
-    def resolve(self, world_size: int) -> tuple[int, int]:
-        """(dp, group_size): group_size workers share each dp rank's data; only group rank 0 writes."""
-        dp = self.dp if self.dp is not None else world_size // self.tp
-        if dp < 1 or dp * self.tp > world_size or world_size % (dp * self.tp):
-            raise ValueError(f"layout dp={dp} x tp={self.tp} does not divide {world_size} workers")
-        return dp, world_size // dp
+    def resolve(self, workers: int) -> tuple[int, int]:
+        """(dp, group_size) over the `workers` this stage runs on: group_size workers share
+        each dp rank's data; only group rank 0 writes."""
+        dp = self.dp if self.dp is not None else workers // self.tp
+        if dp < 1 or dp * self.tp > workers or workers % (dp * self.tp):
+            raise ValueError(f"layout dp={dp} x tp={self.tp} does not divide {workers} workers")
+        return dp, workers // dp
 
     def __str__(self) -> str:
-        return f"dp={'auto' if self.dp is None else self.dp},tp={self.tp}"
+        where = f",group={self.group}" if self.group else ""
+        return f"dp={'auto' if self.dp is None else self.dp},tp={self.tp}{where}"
 
 
 class Node(BaseModel):

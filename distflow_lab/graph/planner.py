@@ -42,12 +42,25 @@ class Stage:
     contract: Contract = field(default_factory=Contract, hash=False, compare=False)
     params: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     timeout_s: float | None = None
+    group: str | None = None  # the worker group it runs on (None: every worker)
+    first: int = 0  # its workers are ranks first .. first + workers - 1
+    workers: int = 0
 
     def dp_rank(self, worker: int) -> int:
-        return worker // self.group_size
+        return (worker - self.first) // self.group_size
 
     def group_rank(self, worker: int) -> int:
-        return worker % self.group_size
+        return (worker - self.first) % self.group_size
+
+    def runs_on(self, worker: int) -> bool:
+        return self.first <= worker < self.first + self.workers
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first, self.first + self.workers)
+
+    def worker_of(self, dp_rank: int, group_rank: int = 0) -> int:
+        return self.first + dp_rank * self.group_size + group_rank
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,10 @@ class Plan:
     stages: tuple[Stage, ...]
     edges: tuple[Edge, ...]
     logical_edges: tuple[tuple[str, str], ...]
+    groups: tuple[tuple[str, int, int], ...] = ()  # (name, first rank, workers) of each worker group
+
+    def stages_on(self, worker: int) -> list[Stage]:
+        return [s for s in self.stages if s.runs_on(worker)]
 
     def stage(self, id_or_index: str | int) -> Stage:
         if isinstance(id_or_index, int):
@@ -87,7 +104,8 @@ class Plan:
             rows.append({
                 "stage": s.index, "id": s.id, "role": s.role, "type": s.type, "depth": s.depth,
                 "dp": s.dp, "tp": s.tp, "group_size": s.group_size, "fn": s.fn_name,
-                "edge_in": e.kind if e else "-",
+                "edge_in": e.kind if e else "-", **({"group": s.group, "ranks": f"{s.first}-{s.first + s.workers - 1}"}
+                                                    if self.groups else {}),
             })
         return pd.DataFrame(rows)
 
@@ -96,7 +114,8 @@ class Plan:
         for s in self.stages:
             e = self.edge_into(s.index)
             arrow = f"  --{e.kind}-->" if e else "  "
-            lines.append(f"{arrow} [{s.index}] {s.id} ({s.role}/{s.type}, dp={s.dp} tp={s.tp})")
+            where = f", group {s.group} ranks {s.first}-{s.first + s.workers - 1}" if s.group else ""
+            lines.append(f"{arrow} [{s.index}] {s.id} ({s.role}/{s.type}, dp={s.dp} tp={s.tp}{where})")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -124,14 +143,32 @@ def plan(dag: "DAG", world_size: int, resolve: bool = True) -> Plan:
     if len(entries) > 1 and chain[0].type == "data_load":
         extra = [n.id for n in entries[1:]]
         raise DAGError(f"node(s) {extra} have no dependencies but the DAG starts at data node {chain[0].id!r}")
+    spans = group_spans(dag.groups, world_size)
     stages = []
     for i, n in enumerate(chain):
-        dp, group = n.layout.resolve(world_size)
+        first, workers = spans[n.layout.group] if n.layout.group else (0, world_size)
+        dp, group = n.layout.resolve(workers)
         stages.append(Stage(i, n.id, n.role, n.type, depth[n.id], dp, n.layout.tp, group,
-                            n.fn_name(), n.fn, tuple(n.deps), n.data, n.contract, dict(n.params), n.timeout_s))
+                            n.fn_name(), n.fn, tuple(n.deps), n.data, n.contract, dict(n.params), n.timeout_s,
+                            n.layout.group, first, workers))
     edges = tuple(
-        Edge(a.index, b.index, "local" if a.dp == b.dp else "redistribute", f"{a.id}->{b.id}")
+        Edge(a.index, b.index, "local" if (a.dp, a.first, a.workers) == (b.dp, b.first, b.workers)
+             else "redistribute", f"{a.id}->{b.id}")
         for a, b in zip(stages, stages[1:])
     )
     logical = tuple((d, n.id) for n in dag for d in n.deps)
-    return Plan(dag.name, world_size, tuple(stages), edges, logical)
+    return Plan(dag.name, world_size, tuple(stages), edges, logical,
+                tuple((g, first, size) for g, (first, size) in spans.items()))
+
+
+def group_spans(groups: dict[str, int] | None, world_size: int) -> dict[str, tuple[int, int]]:
+    """(first rank, workers) of each named group, in declaration order; they must fill the workers."""
+    if not groups:
+        return {}
+    if sum(groups.values()) != world_size:
+        raise DAGError(f"worker groups {groups} hold {sum(groups.values())} workers; the session has {world_size}: "
+                       "make world_size their sum")
+    out, first = {}, 0
+    for name, size in groups.items():
+        out[name], first = (first, size), first + size
+    return out

@@ -214,9 +214,9 @@ class Controller:
         driver_spans = self.plane.run_on_driver(step, st)
         if driver_spans is not None:  # the driver ran it (centralized data loading)
             return StageReport(step, index, st.id, self.mode, [], driver_spans, time.perf_counter() - t0)
-        args = self.plane.stage_args(step, st, len(self.workers))
-        answers = self._gather([w.run_stage.remote(step, index, a) for w, a in zip(self.workers, args)], step,
-                               st.id, self._timeout(st))
+        args = self.plane.stage_args(step, st)  # one per worker of the stage, in rank order
+        answers = self._gather([self.workers[w].run_stage.remote(step, index, a) for w, a in zip(st.ranks, args)],
+                               step, st.id, self._timeout(st), workers=list(st.ranks))
         driver_spans = self.plane.stage_done(step, st, [h for _, h in answers])
         return StageReport(step, index, st.id, self.mode, [r for r, _ in answers], driver_spans,
                            time.perf_counter() - t0)
@@ -234,9 +234,13 @@ class Controller:
                      or "(whole step)")  # the stage the worker had reached
             raise type(e)(e.summary.replace("'(whole step)'", repr(where)), step=step, stage=where,
                           worker=e.worker, remote_traceback=e.remote_traceback) from None
+        by_stage: dict[int, list] = {}
+        for rs in per_worker:
+            for r in rs:
+                by_stage.setdefault(r.stage, []).append(r)
         reports = []
         for i, st in enumerate(self.plan.stages):
-            results = [rs[i] for rs in per_worker]
+            results = by_stage.get(i, [])
             spans = [s for r in results for s in r.spans]
             wall = max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
             reports.append(StageReport(step, i, st.id, self.mode, results, wall_seconds=wall))
@@ -265,10 +269,12 @@ class Controller:
         return not any(r["step"] == step for r in self.retries) and (not train or failed < min(train))
 
     # ---- waiting and failures --------------------------------------------------------------
-    def _gather(self, refs: list, step: int, stage: str, limit_s: float) -> list:
-        """Wait for every ref within `limit_s`; on the first failure abort the step
-        everywhere and raise an error naming stage, worker and step."""
-        index = {r: i for i, r in enumerate(refs)}
+    def _gather(self, refs: list, step: int, stage: str, limit_s: float, workers: list[int] | None = None) -> list:
+        """Wait for every ref (the calls to `workers`, default all in rank order) within
+        `limit_s`; on the first failure abort the step everywhere and raise an error naming
+        stage, worker and step."""
+        ranks = workers if workers is not None else list(range(len(refs)))
+        index = {r: ranks[i] for i, r in enumerate(refs)}
         self._inflight = list(refs)
         self.driver_calls += len(refs)
         pending, deadline = list(refs), time.monotonic() + limit_s

@@ -95,10 +95,12 @@ class DAGWorker:
         self.port = s.plane.bind(self.rank, self.rec)
         self.note = ProgressNote(s.session, self.rank)
         first = self.plan.stages[0]
-        if first.type == "data_load" and first.data is not None and s.plane.loads_data:
+        if first.type == "data_load" and first.data is not None and s.plane.loads_data and first.runs_on(self.rank):
             self.loader = make_loader(first.data, first.dp_rank(self.rank), first.dp, s.seed)
+        self.mine = [st.index for st in self.plan.stages_on(self.rank)]  # the stages this worker runs
         if s.engines is not None:
-            self.engines = resolve_function(s.engines, node="engines")(self._ctx(0, first), s.config) or {}
+            home = self.plan.stages[self.mine[0]] if self.mine else first
+            self.engines = resolve_function(s.engines, node="engines")(self._ctx(0, home), s.config) or {}
         gc.collect()
         gc.freeze()  # start-up objects (torch, Ray) leave the GC's view: later collections stay short
         return {"rank": self.rank, "node": self.node, "pid": os.getpid(),
@@ -111,15 +113,17 @@ class DAGWorker:
 
         if not dist.is_initialized():
             return {}
-        made: dict[tuple[int, int], Any] = {}
+        made: dict[tuple[int, int, int, int], Any] = {}
         for st in self.plan.stages:
-            key = (st.dp, st.group_size)
+            key = (st.first, st.workers, st.dp, st.group_size)
             if key not in made:
+                made[key] = None
                 for g in range(st.group_size):
-                    group = dist.new_group([d * st.group_size + g for d in range(st.dp)])
-                    if st.group_rank(self.rank) == g:
+                    group = dist.new_group([st.worker_of(d, g) for d in range(st.dp)])
+                    if st.runs_on(self.rank) and st.group_rank(self.rank) == g:
                         made[key] = group
-        return {st.id: made[(st.dp, st.group_size)] for st in self.plan.stages}
+        return {st.id: made[(st.first, st.workers, st.dp, st.group_size)] for st in self.plan.stages
+                if made[(st.first, st.workers, st.dp, st.group_size)] is not None}
 
     def _reset(self) -> None:
         self._clear_step()
@@ -158,11 +162,16 @@ class DAGWorker:
 
     # ---- running -------------------------------------------------------------------
     def run_step(self, step: int) -> list[StageResult]:
-        """Every stage of `step`, back to back (data planes where the driver moves no data)."""
+        """Every stage of `step` this worker runs, back to back (data planes where the driver moves no data)."""
+        return self.run_segment(step, self.mine)
+
+    def run_segment(self, step: int, stages: list[int]) -> list[StageResult]:
+        """These stages of `step` (those this worker runs), back to back."""
         results = []
-        for i, st in enumerate(self.plan.stages):
-            self.note.write(step, st.id)  # read only to name the stage of a failure
-            results.append(self.run_stage(step, i)[0])
+        for i in stages:
+            if i in self.mine:
+                self.note.write(step, self.plan.stages[i].id)  # read only to name the stage of a failure
+                results.append(self.run_stage(step, i)[0])
         return results
 
     def run_stage(self, step: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
@@ -170,7 +179,7 @@ class DAGWorker:
         data plane's handoff to the driver (None unless the driver moves the data)."""
         st = self.plan.stages[index]
         t0 = time.perf_counter()
-        if index == 0:
+        if index == self.mine[0]:
             self._start_step(step)
         self._maybe_fault(step, st, "kill_actor")  # before the input: the fetch meets the dead actor
         edge_in, edge_out = self.plan.edge_into(index), self.plan.edge_out_of(index)
