@@ -19,7 +19,7 @@ from distflow_lab.algos.losses import aggregate_loss
 from distflow_lab.models.critic import build_critic_from
 from distflow_lab.core.config import Optim as OptimConfig
 from distflow_lab.core.config import RolloutOptions
-from distflow_lab.models.fsdp import TrainEngine, micro_batches, sft_loss_fn
+from distflow_lab.models.fsdp import TrainEngine, micro_batches, padding_tokens, sft_loss_fn
 from distflow_lab.models.model_dir import build_tiny_qwen2, save_model_dir
 from distflow_lab.models.sequences import assemble_columns, build_sft_batch, decode_responses, tokenize_prompts
 from distflow_lab.models.rollout_hf import HFRollout
@@ -227,6 +227,42 @@ def test_grads_independent_of_micro_batching_and_order(model, mode):
         params.append(e.full_state_dict())
     assert max_diff(*params) < 1e-5  # Adam step 1 ~ lr*sign(g): float noise in tiny grads shows at ~1e-6
     assert max_diff(params[0], model.state_dict()) > 1e-4  # the step did move the weights
+
+
+class FixedRowsEngine(TrainEngine):
+    """Micro-batches of a fixed row count, as verl without use_dynamic_bsz (ppo_micro_batch_size_per_gpu)."""
+
+    rows = 4
+
+    def _plan(self, attention_mask):
+        return list(torch.arange(attention_mask.shape[0]).split(self.rows))
+
+
+def test_padding_tokens_hand_computed():
+    # P = 2; rows (prompt | response): [0 1 | 1 1 0] 3 real, [1 1 | 1 0 0] 3 real, [0 1 | 1 1 1] 4 real
+    am = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]])
+    # rows 0+1 run on columns 0..3 (2 x 4 = 8 positions, 6 real: 2 padded); row 2 on 1..4 (4, 4 real: 0)
+    assert padding_tokens(am, 2, [torch.tensor([0, 1]), torch.tensor([2]), None]) == (2.0, 10.0)  # dummy: left out
+    assert padding_tokens(am, 2, [torch.tensor([0]), torch.tensor([1]), torch.tensor([2])]) == (0.0, 10.0)
+    assert padding_tokens(am, 2, [torch.arange(3)]) == (5.0, 10.0)  # 3 rows x columns 0..4 = 15, 10 real
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_token_budget_micro_batches_give_fixed_size_gradients(model, mode):
+    """verl's use_dynamic_bsz: micro-batches cut by a real-token budget instead of a row count
+    give the same gradients; each reports its padding waste (padded / real tokens)."""
+    batch = synthetic_batch(24, seed=5)
+    fixed = FixedRowsEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), device="cpu")
+    budget = TrainEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), micro_token_budget=60, device="cpu")
+    g_fixed, m_fixed = grads_of(fixed, batch, mode)
+    g_budget, m_budget = grads_of(budget, batch, mode)
+    assert m_fixed["n_micro"] == 6 and m_budget["n_micro"] not in (1, 6)  # two different groupings
+    assert max_diff(g_fixed, g_budget) < 1e-6 and m_budget["loss"] == pytest.approx(m_fixed["loss"], abs=1e-6)
+    for eng, m in ((fixed, m_fixed), (budget, m_budget)):
+        padded, real = padding_tokens(batch["attention_mask"], P, eng._plan(batch["attention_mask"]))
+        assert m["padding_waste"] == pytest.approx(padded / real) and 0 < m["padding_waste"] < 1
+    budget.forward_log_probs(*fwd_cols(batch))  # log-prob passes record theirs on the engine
+    assert budget.padding_waste == pytest.approx(m_budget["padding_waste"])
 
 
 def test_save_load_round_trip_gives_identical_next_step(tok, model, tmp_path):

@@ -1,4 +1,4 @@
-"""Policy, value, KL and entropy losses for RL post-training (PPO-style clipped objectives).
+"""Policy, value, KL and entropy losses for RL post-training (PPO-style clipped objectives, GSPO).
 
 Token tensors are [B, T] over response tokens with `response_mask` [B, T] (1 = real token).
 Loss functions return a scalar tensor (differentiable) and plain-python-float metrics.
@@ -48,6 +48,49 @@ def ppo_token_loss(
         metrics = {
             "clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
             "clipfrac_lower": masked_mean(((clipped > loss3) & neg).float(), response_mask).item(),
+            "approx_kl": masked_mean(-log_ratio, response_mask).item(),
+        }
+    return loss_mat, metrics
+
+
+def gspo_token_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: sequence-level importance ratio and clipping (Zheng et al., 2025, arXiv:2507.18071).
+
+    Eq. (7), the ratio of a whole response, length-normalised:
+        s_i = (pi(y_i|x) / pi_old(y_i|x)) ^ (1/|y_i|) = exp( (1/|y_i|) sum_t (log pi_t - log pi_old_t) )
+    Eq. (5), the objective (A_i: the group-normalised advantage, constant over the response):
+        J = (1/G) sum_i min( s_i A_i, clip(s_i, 1 - clip_ratio_low, 1 + clip_ratio_high) A_i )
+
+    Returned per token, in the paper's GSPO-token form (Eq. 13): s_i,t = sg[s_i] * pi_t / sg[pi_t]
+    has the value s_i on every token of response i and the gradient s_i * grad log pi_t, so
+        L[i, t] = max(-A_i s_i,t, -A_i clip(s_i,t, 1 - low, 1 + high))
+    aggregated with seq-mean-token-mean equals -J in value and in gradient (Eq. 10: a clipped
+    response gives no gradient at all). log s_i is capped at 10 (exp overflow guard), as verl.
+
+    Metrics (means over valid tokens, so each response weighs by its length):
+      clipfrac   fraction of tokens in responses whose ratio was clipped
+      ratio      s_i
+      approx_kl  k1 estimate of KL(old || new): mean(old_log_prob - log_prob)
+    """
+    m = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)  # (1/|y_i|) sum_t, [B]
+    log_s = (log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    ratio = torch.exp(log_s)  # value s_i on every token; gradient s_i * grad log pi_t
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(loss1, loss2)
+    with torch.no_grad():
+        metrics = {
+            "clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
+            "ratio": masked_mean(ratio, response_mask).item(),
             "approx_kl": masked_mean(-log_ratio, response_mask).item(),
         }
     return loss_mat, metrics

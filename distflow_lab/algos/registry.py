@@ -8,7 +8,7 @@ builder, and one line in ALGORITHMS.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from distflow_lab.core.config import ConfigError, RunConfig
 from distflow_lab.graph.nodes import resolve_function
@@ -21,11 +21,38 @@ if TYPE_CHECKING:
 class Algorithm:
     dag: str  # "module:function" building its DAG from (cfg, data_path); named, so checking a config imports no torch
     estimators: tuple[str, ...]  # supported advantage estimators (names in estimators.ESTIMATORS); first = default
+    check: Callable[[RunConfig], None] | None = None  # its own config rules (torch-free); errors name the field
+
+
+def _loss_agg_is(cfg: RunConfig, mode: str, why: str) -> None:
+    """An algorithm that fixes the loss aggregation: an explicit, different actor.loss_agg_mode is an error."""
+    if "loss_agg_mode" in cfg.actor.model_fields_set and cfg.actor.loss_agg_mode != mode:
+        raise ConfigError(f"actor.loss_agg_mode={cfg.actor.loss_agg_mode!r} contradicts {why}, which uses {mode!r}; "
+                          f"drop actor.loss_agg_mode or set it to {mode!r}")
+
+
+def check_dapo(cfg: RunConfig) -> None:
+    d, a = cfg.algorithm.dapo, cfg.actor
+    if d.clip_higher and a.clip_ratio_high < a.clip_ratio_low:
+        raise ConfigError(f"actor.clip_ratio_high={a.clip_ratio_high} < actor.clip_ratio_low={a.clip_ratio_low}: "
+                          "DAPO's clip-higher (algorithm.dapo.clip_higher) needs clip_ratio_high >= clip_ratio_low")
+    _loss_agg_is(cfg, "token-mean" if d.token_level_loss else "seq-mean-token-mean",
+                 f"algorithm.dapo.token_level_loss={str(d.token_level_loss).lower()}")
+    r = cfg.rollout.max_response_len
+    if d.overlong_shaping and d.buffer_len(r) >= r:
+        raise ConfigError(f"algorithm.dapo.overlong_buffer_len={d.buffer_len(r)} must be < "
+                          f"rollout.max_response_len={r} (the penalty window ends at the longest response)")
+
+
+def check_gspo(cfg: RunConfig) -> None:
+    _loss_agg_is(cfg, "seq-mean-token-mean", "GSPO's sequence-level objective")
 
 
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm("distflow_lab.algos.grpo:grpo_dag", ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")),
     "ppo": Algorithm("distflow_lab.algos.ppo:ppo_dag", ("gae",)),
+    "dapo": Algorithm("distflow_lab.algos.dapo:dapo_dag", ("grpo", "dr_grpo", "rloo"), check_dapo),
+    "gspo": Algorithm("distflow_lab.algos.gspo:gspo_dag", ("grpo", "dr_grpo", "rloo"), check_gspo),
 }
 
 
@@ -38,6 +65,11 @@ def check_run_config(cfg: RunConfig) -> None:
     if est is not None and est not in ALGORITHMS[name].estimators:
         raise ConfigError(f"algorithm.adv_estimator: {name} does not support {est!r} (its advantage stage would "
                           f"ignore it); {name} supports {list(ALGORITHMS[name].estimators)}")
+    if name != "dapo" and cfg.algorithm.dapo.model_fields_set:
+        field = sorted(cfg.algorithm.dapo.model_fields_set)[0]
+        raise ConfigError(f"algorithm.dapo.{field}: DAPO's switches have no meaning for algorithm {name!r}")
+    if ALGORITHMS[name].check is not None:
+        ALGORITHMS[name].check(cfg)
 
 
 def with_defaults(cfg: RunConfig) -> RunConfig:

@@ -327,6 +327,32 @@ class CriticOptions(Optim):
     """Real tokens per critic micro-batch."""
 
 
+class DAPOOptions(Strict):
+    """DAPO's four parts (Yu et al., 2025, arXiv:2503.14476), each a switch; they apply only when
+    algorithm.name is dapo (setting one for another algorithm is an error naming it)."""
+
+    clip_higher: bool = True
+    """Decoupled clip: ratio in [1 - actor.clip_ratio_low, 1 + actor.clip_ratio_high] (needs high >= low); off: [1 - low, 1 + low]."""
+    dynamic_sampling: bool = True
+    """Drop prompt groups whose accuracies are all equal (zero advantage) and sample again until the batch is full."""
+    oversample: float = Field(default=1.5, ge=1)
+    """Dynamic sampling: prompts generated in the first round = data.prompts_per_step x this (rounded up to the rollout's dp)."""
+    max_rounds: int = Field(default=3, ge=1)
+    """Dynamic sampling: generation rounds at most, the first included; a rank still short then trains on fewer groups."""
+    token_level_loss: bool = True
+    """Token-level loss (token-mean: every token weighs the same); off: seq-mean-token-mean (GRPO's per-sample mean)."""
+    overlong_shaping: bool = True
+    """Soft overlong penalty: 0 down to -overlong_penalty_factor over the last overlong_buffer_len tokens before rollout.max_response_len."""
+    overlong_buffer_len: int | None = Field(default=None, ge=1)
+    """Overlong shaping: the length window L_cache (None: a quarter of rollout.max_response_len, at least 1); must be < rollout.max_response_len."""
+    overlong_penalty_factor: float = Field(default=1.0, ge=0)
+    """Overlong shaping: the penalty at (and past) rollout.max_response_len."""
+
+    def buffer_len(self, max_response_len: int) -> int:
+        """The overlong window L_cache in tokens."""
+        return self.overlong_buffer_len if self.overlong_buffer_len is not None else max(1, max_response_len // 4)
+
+
 class AlgorithmOptions(Strict):
     name: str = "grpo"
     """Which algorithm (its DAG and stages): one registered in `distflow_lab.algos.registry` (grpo, ppo, ...)."""
@@ -342,6 +368,8 @@ class AlgorithmOptions(Strict):
     """Weight of the KL reward penalty."""
     kl_penalty: KLKind = "k1"
     """KL estimator for the reward penalty."""
+    dapo: DAPOOptions = Field(default_factory=DAPOOptions)
+    """DAPO's switches (algorithm.name dapo only)."""
 
 
 class RewardOptions(Strict):

@@ -83,6 +83,29 @@ def micro_batches(attention_mask: Tensor, budget: int) -> list[Tensor]:
     return out
 
 
+def forward_span(attention_mask: Tensor, prompt_len: int) -> tuple[int, int]:
+    """Columns [lo, hi) a micro-batch's forward runs on: padding in every row (left of the
+    prompts, right of the responses) is dropped; at least position P-1 and one response position."""
+    used = (attention_mask.sum(0) > 0).nonzero().flatten()
+    lo = min(int(used.min()), prompt_len - 1) if used.numel() else prompt_len - 1
+    hi = max(int(used.max()) + 1, prompt_len + 1) if used.numel() else prompt_len + 1
+    return lo, hi
+
+
+def padding_tokens(attention_mask: Tensor, prompt_len: int, plan: list[Tensor | None]) -> tuple[float, float]:
+    """(padded, real) tokens in the forwards of `plan`'s micro-batches (dummies left out): each one
+    runs rows x `forward_span` positions. Padding waste = padded / real: micro-batches of rows of
+    similar lengths shrink it."""
+    padded = real = 0.0
+    for idx in plan:
+        if idx is not None:
+            am = attention_mask[idx]
+            lo, hi = forward_span(am, prompt_len)
+            n = float(am.sum())
+            padded, real = padded + am.shape[0] * (hi - lo) - n, real + n
+    return padded, real
+
+
 def sft_loss_fn(micro: dict[str, Tensor], log_probs: Tensor | None, _: Tensor | None) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Supervised next-token loss on response tokens: L = -log p(token), mask = response_mask."""
     return -log_probs, micro["response_mask"], {}
@@ -153,6 +176,7 @@ class TrainEngine:
         self.budget, self.temperature, self.optim_cfg = micro_token_budget, temperature, optim
         self.logits_chunk = logits_chunk
         self.before_compute: list[Callable[[], None]] = []
+        self.padding_waste = 0.0  # padded / real tokens of the last forward pass (forward_log_probs / values)
         self.is_critic = type(model).__name__.endswith("ForTokenClassification") if critic is None else critic
         trainable = optim is not None
         model.requires_grad_(trainable).train(trainable)
@@ -223,9 +247,7 @@ class TrainEngine:
         P = ids.shape[1] - R
         # Drop columns that are padding in every row (left of the prompts, right of the
         # responses): pure speed, the kept positions see the same keys and position ids.
-        used = (am.sum(0) > 0).nonzero().flatten()
-        lo = min(int(used.min()), P - 1) if used.numel() else P - 1
-        hi = max(int(used.max()) + 1, P + 1) if used.numel() else P + 1
+        lo, hi = forward_span(am, P)
         k = hi - P  # response positions kept
         kw = dict(input_ids=ids[:, lo:hi], attention_mask=am[:, lo:hi], position_ids=pos[:, lo:hi], use_cache=False)
         rmask = am[:, P:hi].bool()
@@ -264,7 +286,10 @@ class TrainEngine:
             fn()
         out = torch.zeros(batch["responses"].shape)
         ent = torch.zeros(batch["responses"].shape) if with_entropy else None
-        for idx in self._plan(batch["attention_mask"]):
+        plan = self._plan(batch["attention_mask"])
+        padded, real = padding_tokens(batch["attention_mask"], batch["input_ids"].shape[1] - out.shape[1], plan)
+        self.padding_waste = padded / max(real, 1.0)
+        for idx in plan:
             o, e = self._forward_micro(self._micro(batch, idx), with_entropy)
             if idx is None:
                 continue  # dummy: ran only to keep the FSDP collectives in lock-step
@@ -296,7 +321,8 @@ class TrainEngine:
         entropy [b,R] / values [b,R] (critic) / None); its metric keys must not depend on the
         data. The token-mean normaliser counts batch[mask_key]: tokens the loss_fn masks out
         beyond it add 0 but still count. Returns all-reduced metrics: loss (the aggregated
-        global loss), n_tokens, n_micro, and loss_fn metrics weighted by mask tokens.
+        global loss), n_tokens, n_micro, padding_waste (`padding_tokens`: padded / real tokens
+        of the forwards), and loss_fn metrics weighted by mask tokens.
         """
         if loss_agg_mode not in LOSS_AGG_MODES or self.optimizer is None:
             raise ValueError(f"bad loss_agg_mode {loss_agg_mode!r} or frozen engine (optim=None)")
@@ -309,6 +335,7 @@ class TrainEngine:
         for fn in self.before_compute:
             fn()
         plan = self._plan(batch["attention_mask"])
+        waste = padding_tokens(batch["attention_mask"], batch["input_ids"].shape[1] - batch["responses"].shape[1], plan)
         total, weight_sum, metric_sums = 0.0, 0.0, {}
         for idx in plan:
             w = 0.0 if idx is None else 1.0
@@ -324,10 +351,12 @@ class TrainEngine:
             for key, v in metrics.items():
                 metric_sums[key] = metric_sums.get(key, 0.0) + float(v) * k
         keys = sorted(metric_sums)
-        packed = self._all_reduce(torch.tensor([total, weight_sum, *[metric_sums[k] for k in keys]], dtype=torch.float64))
+        packed = self._all_reduce(torch.tensor([total, weight_sum, *waste, *[metric_sums[k] for k in keys]],
+                                               dtype=torch.float64))
         tot = max(float(packed[1]), 1e-12)
-        result = {"loss": float(packed[0]), "n_tokens": g_tokens, "n_micro": float(len(plan))}
-        result.update({k: float(packed[2 + i]) / tot for i, k in enumerate(keys)})
+        result = {"loss": float(packed[0]), "n_tokens": g_tokens, "n_micro": float(len(plan)),
+                  "padding_waste": float(packed[2]) / max(float(packed[3]), 1.0)}
+        result.update({k: float(packed[4 + i]) / tot for i, k in enumerate(keys)})
         return result
 
     def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, loss_agg_mode: str = "token-mean",

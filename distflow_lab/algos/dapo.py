@@ -1,0 +1,193 @@
+"""DAPO (Yu et al., 2025, arXiv:2503.14476) on distflow_lab, top to bottom.
+
+    data (over-sampled) -> rollout -> reward (+ overlong penalty) -> dynamic_sampling
+         -> advantage -> old_log_prob -> ref_log_prob -> actor_update (clip-higher, token-level loss)
+
+GRPO with four changes, each a switch in `algorithm.dapo` (core.config.DAPOOptions):
+
+  clip_higher       clip the ratio to [1 - eps_low, 1 + eps_high] with eps_high > eps_low (Eq. 10):
+                    unlikely tokens may grow, so the policy's entropy does not collapse
+  dynamic_sampling  a stage that drops the prompt groups whose accuracies are all equal (their
+                    group-relative advantage is 0) and samples again until the batch is full (Eq. 11)
+  token_level_loss  token-mean aggregation (Eq. 12): every token weighs the same, whatever its length
+  overlong_shaping  a soft penalty over the last L_cache tokens before the length limit (Eq. 13)
+
+Rollout, advantage and the log-prob stages are GRPO's. DAPO drops the KL term
+(actor.use_kl_loss=false in its preset), and then the reference pass too.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from distflow_lab.algos.grpo import CONTRACTS, MODEL_INPUTS, _mini_batches, actor_loss
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import ActorOptions, DataSpec, RunConfig
+from distflow_lab.graph.dag import DAG
+from distflow_lab.graph.nodes import Layout
+from distflow_lab.graph.shapes import grpo_shape
+from distflow_lab.models.sequences import decode_responses
+from distflow_lab.runtime.context import StageContext
+
+GRPO_STAGES = ("rollout", "advantage", "old_log_prob", "ref_log_prob")
+
+
+def dapo_dag(cfg: RunConfig, data_path: str) -> DAG:
+    data = DataSpec(source=data_path, batch_size=pool_size(cfg), shuffle=cfg.data.shuffle)
+    fns = {**{n: f"distflow_lab.algos.grpo:{n}" for n in GRPO_STAGES},
+           **{n: f"{__name__}:{n}" for n in ("reward", "actor_update")}}
+    contracts = {**CONTRACTS, "reward": {"contract": {"outputs": ["acc", "scores"], "rows": "same"}}}
+    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name="dapo")
+    if cfg.algorithm.dapo.dynamic_sampling:  # one more stage, in the rollout layout; its row count varies
+        dag.node("dynamic_sampling", f"{__name__}:dynamic_sampling", role="rollout", type="generate",
+                 deps=["reward"], layout=Layout(tp=cfg.rollout.tp),
+                 contract={"outputs": ["acc", "scores", "uid"], "rows": "any"})
+        dag.replace("advantage", deps=["dynamic_sampling"])
+    if not cfg.actor.use_kl_loss:  # no KL term: nothing reads the reference's log-probs
+        dag.remove("ref_log_prob").replace("actor_update", deps=["old_log_prob"])
+    return dag
+
+
+def pool_size(cfg: RunConfig) -> int:
+    """Prompts loaded and generated per step: prompts_per_step x oversample with dynamic sampling,
+    rounded up to a multiple of the rollout's data-parallel size."""
+    d, dp = cfg.algorithm.dapo, cfg.cluster.world_size // cfg.rollout.tp
+    if not d.dynamic_sampling:
+        return cfg.data.prompts_per_step
+    return dp * math.ceil(round(cfg.data.prompts_per_step * d.oversample / dp, 6))
+
+
+# ---- 1. reward: task accuracy + the soft overlong penalty ------------------------------
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Eq. 13), L_max = max_len, L_cache = buffer_len:
+
+        R_length(y) = 0                                    |y| <= L_max - L_cache
+                      ((L_max - L_cache) - |y|) / L_cache   L_max - L_cache < |y| <= L_max
+                      -1                                   L_max < |y|
+
+    times `factor` (verl's overlong_penalty_factor); added to the task reward.
+    """
+    over = (lengths.float() - (max_len - buffer_len)) / buffer_len
+    return -factor * over.clamp(0.0, 1.0)
+
+
+def score(batch: Batch, ctx: StageContext) -> Batch:
+    """acc: the task reward of each response; scores: acc plus the overlong penalty (if on)."""
+    cfg, e = ctx.config, ctx.engines
+    texts = decode_responses(e["tokenizer"], batch["responses"], batch["response_mask"])
+    acc = torch.tensor([e["reward_fn"](src, text, truth) for src, text, truth in
+                        zip(batch["data_source"], texts, batch["ground_truth"])], dtype=torch.float32)
+    d, R = cfg.algorithm.dapo, cfg.rollout.max_response_len
+    penalty = torch.zeros_like(acc)
+    if d.overlong_shaping:
+        penalty = overlong_penalty(batch["response_mask"].sum(-1), R, d.buffer_len(R), d.overlong_penalty_factor)
+    return batch.with_columns(acc=acc, scores=acc + penalty)
+
+
+def reward(batch: Batch, ctx: StageContext) -> Batch:
+    out = score(batch, ctx)
+    acc, shaped = out["acc"], out["scores"]
+    ctx.log(**{"reward/mean": acc.mean().item(), "reward/shaped_mean": shaped.mean().item(),
+               "reward/overlong_frac": (shaped < acc).float().mean().item()})
+    return out
+
+
+# ---- 2. dynamic sampling: keep groups with a learning signal, sample again until full ----
+def dynamic_sampling(batch: Batch, ctx: StageContext) -> Batch:
+    """Keep the groups (same uid) whose accuracies differ; sample the dropped prompts again
+    (new seed each round) until this rank has its share T = prompts_per_step / dp of groups,
+    for at most `max_rounds` rounds (the rollout's was the first).
+
+    Output, deterministic given the seeds: the first T kept groups (round order, then row
+    order; surplus groups are trimmed), so n*T rows when full and n*g rows (1 <= g < T) when
+    the cap leaves it short. With no group kept at all it emits the first dropped group
+    (zero advantage: only its KL term acts), so no rank is ever empty and the update never
+    meets an empty global batch. verl draws fresh prompts from its dataloader; here the
+    over-sampled first round brings the fresh prompts and later rounds re-sample the dropped
+    ones, so every data plane (the centralized one loads data in the driver) gives the same.
+    """
+    cfg, n = ctx.config, ctx.config.rollout.n
+    target = cfg.data.prompts_per_step // ctx.dp_size
+    kept: list[Batch] = []
+    todo, rounds, generated, dropped = batch, 0, num_groups(batch), 0
+    while True:
+        rounds += 1
+        mixed = mixed_groups(todo["uid"], todo["acc"])
+        kept.append(todo.select(np.flatnonzero(mixed)))
+        todo = todo.select(np.flatnonzero(~mixed))
+        dropped += num_groups(todo)
+        have = sum(num_groups(k) for k in kept)
+        if have >= target or not len(todo) or rounds >= cfg.algorithm.dapo.max_rounds:
+            break
+        todo = regenerate(todo, ctx, seed=ctx.seed + rounds)
+        generated += num_groups(todo)
+    out = first_groups(Batch.concat(kept), target)
+    fallback = len(out) == 0
+    if fallback:
+        out = first_groups(todo, 1)
+    ctx.count(**{"dynamic_sampling/groups_generated": generated, "dynamic_sampling/groups_dropped": dropped,
+                 "dynamic_sampling/groups_trimmed": max(0, have - target),
+                 "dynamic_sampling/groups_short": max(0, target - have), "dynamic_sampling/fallback": int(fallback),
+                 "dynamic_sampling/rows_out": len(out)})
+    ctx.log(**{"dynamic_sampling/rounds": rounds, "dynamic_sampling/fill": len(out) / max(1, n * target)})
+    return out
+
+
+def mixed_groups(uid, acc: torch.Tensor) -> np.ndarray:
+    """Per row: does its group hold two different accuracies (Eq. 11: 0 < #correct < G)?"""
+    _, gid = np.unique(np.asarray(uid).astype(str), return_inverse=True)
+    if not len(gid):
+        return np.zeros(0, dtype=bool)
+    a = acc.double().numpy()
+    lo, hi = np.full(gid.max() + 1, np.inf), np.full(gid.max() + 1, -np.inf)
+    np.minimum.at(lo, gid, a)
+    np.maximum.at(hi, gid, a)
+    return (hi > lo)[gid]
+
+
+def num_groups(batch: Batch) -> int:
+    return len(set(np.asarray(batch["uid"]).astype(str).tolist())) if len(batch) else 0
+
+
+def first_groups(batch: Batch, k: int) -> Batch:
+    """The rows of the first k groups (in order of first appearance), row order kept."""
+    if not len(batch):
+        return batch
+    _, first, gid = np.unique(np.asarray(batch["uid"]).astype(str), return_index=True, return_inverse=True)
+    order = np.argsort(np.argsort(first))  # a group's rank by first appearance
+    return batch.select(np.flatnonzero(order[gid] < k))
+
+
+def regenerate(batch: Batch, ctx: StageContext, seed: int) -> Batch:
+    """n new responses, scored, for each group's prompt (its first row's prompt tokens)."""
+    _, first = np.unique(np.asarray(batch["uid"]).astype(str), return_index=True)
+    heads = batch.select(np.sort(first))
+    P = heads["input_ids"].shape[1] - heads["responses"].shape[1]  # left-padded prompt width
+    cols = ctx.engines["rollout"].generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], seed=seed)
+    objects = {k: np.repeat(v, ctx.config.rollout.n) for k, v in heads.objects.items()}
+    return score(Batch(cols, objects), ctx)
+
+
+# ---- 3. actor update: GRPO's, with DAPO's clip range and loss aggregation ----------------
+def dapo_actor(cfg: RunConfig) -> ActorOptions:
+    """The actor options the switches imply: clip-higher off = the symmetric clip
+    [1 - low, 1 + low]; token-level loss = token-mean, off = seq-mean-token-mean."""
+    a, d = cfg.actor, cfg.algorithm.dapo
+    return a.model_copy(update={"clip_ratio_high": a.clip_ratio_high if d.clip_higher else a.clip_ratio_low,
+                                "loss_agg_mode": "token-mean" if d.token_level_loss else "seq-mean-token-mean"})
+
+
+def actor_update(batch: Batch, ctx: StageContext) -> Batch:
+    cfg = ctx.config.model_copy(update={"actor": dapo_actor(ctx.config)})
+    a, actor = cfg.actor, ctx.engines["actor"]
+    need = [*MODEL_INPUTS, "response_mask", "old_log_probs", "advantages"]
+    if a.use_kl_loss:
+        need.append("ref_log_probs")
+    metrics: dict[str, float] = {}
+    for mini in _mini_batches({k: batch[k] for k in need}, a.mini_batches):
+        metrics = actor.train_step(mini, actor_loss(cfg), a.loss_agg_mode, with_entropy=a.entropy_coeff > 0)
+    ctx.engines["sync"].stale = True  # the rollout must pick up the new weights
+    ctx.log(**{f"actor/{k}": v for k, v in metrics.items()})
+    return batch
