@@ -22,7 +22,7 @@ _EXPORTS = {
     "session": "distflow_lab.api.session", "rl_session": "distflow_lab.api.session",
     "rl_dag": "distflow_lab.api.session", "run_config": "distflow_lab.api.session",
     "Session": "distflow_lab.api.session", "OPTIONS": "distflow_lab.api.session",
-    "stepper": "distflow_lab.api.stepper",
+    "stepper": "distflow_lab.api.stepper", "notebook": "distflow_lab.api.notebook",
     "DAG": "distflow_lab.graph.dag", "Layout": "distflow_lab.graph.nodes", "Node": "distflow_lab.graph.nodes",
     "Batch": "distflow_lab.core.batch", "StageContext": "distflow_lab.runtime.context",
     "local_context": "distflow_lab.runtime.context",

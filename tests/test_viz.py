@@ -121,6 +121,12 @@ def test_timeline_one_trace_per_phase_one_bar_per_span(dist):
     assert sum(len(t.x) for t in fig.data) == len(dist)
     for t in fig.data:
         assert t.marker.color == PHASE_COLORS[t.name] and t.orientation == "h"
+    # every bar is labelled with its stage (plotly hides a label that would not fit at a readable size)
+    for t in fig.data:
+        part = dist[dist.phase == t.name]
+        assert list(t.text) == part["stage"].tolist() and t.textposition == "inside"
+        assert t.marker.line.width > 0  # an outline keeps back-to-back stages of one phase apart
+    assert fig.layout.uniformtext.mode == "hide" and fig.layout.uniformtext.minsize >= 8
     # the weight_sync trace is drawn after compute and thinner
     names = [t.name for t in fig.data]
     ws = fig.data[names.index("weight_sync")]
@@ -184,8 +190,19 @@ def test_cache_hits(dist, cent):
     fig = cache_hits(dist)
     hits = next(tr for tr in fig.data if tr.name == "cache hit")
     assert list(hits.x) == t.index.tolist() and list(hits.y) == t["hits"].tolist()
+    assert not [a for a in fig.layout.annotations if a.name == "no-bytes"]
     c = cache_table(cent).set_index("stage")  # driver dispatches are not counted as worker misses
     assert (c.drop(index="data")["misses"] == W).all() and (c["hits"] == 0).all()
+
+
+def test_cache_hits_without_bytes_says_so(dist):
+    """Every edge local: no MiB bar on an empty -1..1 axis, but a sentence saying why."""
+    local = dist[~dist.phase.isin(["get", "wait", "put", "plan"])]
+    fig = cache_hits(local)
+    assert [t.name for t in fig.data] == ["cache hit", "miss (get / dispatch)"]  # no "MiB in" trace
+    note = [a for a in fig.layout.annotations if a.name == "no-bytes"]
+    assert len(note) == 1 and note[0].text == "no bytes moved: every edge was a local-cache hit"
+    assert note[0].xref == "x2 domain" and tuple(fig.layout.yaxis2.range) == (0, 1)
 
 
 # ---- load balance ---------------------------------------------------------------------------------
@@ -303,6 +320,10 @@ def test_report_is_standalone(tmp_path, dist, cent, plan):
     assert not re.search(r"<script[^>]+src=[\"']?https?:", text)
     assert "seed: 1234" in text and "kl_coef: 0.001" in text and "grpo" in text
     assert "centralized" in text  # the side-by-side breakdown
+    # every table sits in a horizontally scrolling box: the wide metrics table never widens the page
+    tables = re.findall(r"(.{0,40})<table", text)
+    assert tables and all("<div class='table-scroll'>" in t for t in tables)
+    assert ".table-scroll{overflow-x:auto" in text
     # no lengths: no balance section
     session.redistribution_lengths = lambda: {}
     text = write_report(session, tmp_path / "r2.html").read_text()

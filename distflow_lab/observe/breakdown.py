@@ -139,9 +139,20 @@ def cache_table(spans: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values(["stage", "mode"]).reset_index(drop=True).astype({"stage": str, "mode": str})[cols]
 
 
+NO_BYTES_ALL_HITS = "no bytes moved: every edge was a local-cache hit"
+NO_BYTES = "no bytes moved into any stage"
+
+
+def no_bytes_message(table: pd.DataFrame) -> str:
+    """What the MiB panel says when nothing moved (a `cache_table` whose mib_in are all 0)."""
+    return NO_BYTES_ALL_HITS if table["misses"].sum() == 0 and table["hits"].sum() > 0 else NO_BYTES
+
+
 def cache_hits(spans: pd.DataFrame) -> go.Figure:
     """Two panels per stage: local-cache hits vs misses (per step) and the MiB
-    moved into the stage. Several modes in `spans` show side by side."""
+    moved into the stage. Several modes in `spans` show side by side. When no
+    bytes moved the second panel says so (`no_bytes_message`) instead of
+    drawing an empty axis."""
     table = cache_table(spans)
     if not len(table):
         return empty_figure("no spans yet", "cache hits")
@@ -154,8 +165,13 @@ def cache_hits(spans: pd.DataFrame) -> go.Figure:
                          hovertemplate="%{x}: %{y:.3g} hits/step<extra></extra>"), row=1, col=1)
     fig.add_trace(go.Bar(name="miss (get / dispatch)", x=x, y=table["misses"], marker_color=PHASE_COLORS["get"],
                          hovertemplate="%{x}: %{y:.3g} misses/step<extra></extra>"), row=1, col=1)
-    fig.add_trace(go.Bar(name="MiB in", x=x, y=table["mib_in"], marker_color=PHASE_COLORS["put"],
-                         hovertemplate="%{x}: %{y:.3f} MiB/step<extra></extra>"), row=2, col=1)
+    if table["mib_in"].sum() > 0:
+        fig.add_trace(go.Bar(name="MiB in", x=x, y=table["mib_in"], marker_color=PHASE_COLORS["put"],
+                             hovertemplate="%{x}: %{y:.3f} MiB/step<extra></extra>"), row=2, col=1)
+    else:  # an empty panel would show a meaningless -1..1 axis: say what happened instead
+        fig.add_annotation(text=no_bytes_message(table), showarrow=False, x=0.5, y=0.5, xref="x2 domain",
+                           yref="y2 domain", font=dict(size=13, color="#666"), name="no-bytes")
+        fig.update_yaxes(range=[0, 1], showticklabels=False, showgrid=False, row=2, col=1)
     # Stacked: the bar's height is the stage's inputs per step, split into hits and misses.
     fig.update_layout(barmode="stack", template="plotly_white", height=480, title="local cache hits per stage",
                       legend_traceorder="normal",

@@ -32,6 +32,7 @@ h1{margin-bottom:4px} h2{border-bottom:1px solid #ddd;padding-bottom:4px;margin-
 .meta{color:#555} pre{background:#f6f8fa;padding:10px;overflow:auto;font-size:12px;max-height:480px}
 table.df{border-collapse:collapse;font-size:12px} table.df td,table.df th{border:1px solid #ddd;padding:3px 6px;
 text-align:right} .error{color:#b00020} .note{color:#666}
+.table-scroll{overflow-x:auto;max-width:100%} table.df th{position:sticky;top:0;background:#fff}
 """
 
 
@@ -40,9 +41,10 @@ def _fig_html(fig: go.Figure) -> str:
 
 
 def _table_html(df: pd.DataFrame, float_format: str = "{:.4g}", dash_zero: bool = False) -> str:
-    """`dash_zero`: print exact zeros as "–", as the paper's Table 1 does."""
+    """A table in a horizontally scrolling box (a wide metrics table never pushes the page
+    wider than the window). `dash_zero`: print exact zeros as "–", as the paper's Table 1 does."""
     fmt = (lambda v: "–" if v == 0 else float_format.format(v)) if dash_zero else float_format.format
-    return df.to_html(classes="df", border=0, float_format=fmt, na_rep="–")
+    return f"<div class='table-scroll'>{df.to_html(classes='df', border=0, float_format=fmt, na_rep='–')}</div>"
 
 
 def _section(sid: str, heading: str, build: Callable[[], str]) -> str:

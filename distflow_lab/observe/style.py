@@ -39,6 +39,14 @@ def phase_color(phase: str) -> str:
     return PHASE_COLORS.get(phase, PHASE_COLORS["other"])
 
 
+def label_color(background: str) -> str:
+    """Dark text on a light colour, white on a dark one (WCAG relative luminance of "#RRGGBB")."""
+    rgb = [int(background.lstrip("#")[i:i + 2], 16) / 255 for i in (0, 2, 4)]
+    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    luminance = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+    return "#222222" if luminance > 0.35 else "white"
+
+
 def ordered_phases(phases: Iterable[str]) -> list[str]:
     """Known phases in PHASES order (stacking order), unknown ones after, alphabetically."""
     present = set(phases)

@@ -1,5 +1,6 @@
 """The step timeline: a Gantt chart of spans, one row per worker (and the
-driver in centralized mode), one bar per span coloured by phase."""
+driver in centralized mode), one bar per span coloured by phase and labelled
+with its stage (a label shows where it fits; the hover names everything)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -9,10 +10,13 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from distflow_lab.core.spans import DRIVER, NESTED_PHASES
-from distflow_lab.observe.style import empty_figure, ordered_phases, phase_color, worker_label
+from distflow_lab.observe.style import empty_figure, label_color, ordered_phases, phase_color, worker_label
 
 BAR_WIDTH = 0.8
 NESTED_WIDTH = 0.35  # nested spans (weight_sync) are thinner so the compute bar around them stays visible
+OUTLINE = dict(color="rgba(0,0,0,0.45)", width=0.6)  # a dark hairline: back-to-back stages of one phase stay
+# apart, and a sliver of a bar stays visible (a light outline would cover it)
+LABEL_MIN_PX = 9  # stage labels smaller than this would not be readable: plotly hides them (uniformtext)
 
 _HOVER = ("<b>%{customdata[2]}</b> · %{customdata[1]} · step %{customdata[0]}<br>"
           "%{y} on %{customdata[8]}<br>%{customdata[3]:.2f} ms<br>"
@@ -54,7 +58,10 @@ def timeline(spans: pd.DataFrame, steps: int | Iterable[int] | None = None,
 
     One `go.Bar` trace per phase (bars placed with `base` = start offset and
     `x` = duration), so thousands of spans stay fast; nested phases are drawn
-    after compute and thinner. Dotted lines mark where each step starts.
+    after compute and thinner. Colour = phase; each bar carries its stage's
+    name inside it (shown where it fits at a readable size) and a hairline
+    outline, so consecutive stages on a worker are told apart without hovering.
+    Dotted lines mark where each step starts.
     Wrap in `go.FigureWidget(...)` for in-place updates in a notebook.
     """
     df = select_steps(spans, steps)
@@ -83,13 +90,16 @@ def timeline(spans: pd.DataFrame, steps: int | Iterable[int] | None = None,
             name=phase, orientation="h", y=[worker_label(w) for w in part["worker"]],
             x=seconds, base=part["start"].to_numpy(dtype=float) - t0,
             width=NESTED_WIDTH if phase in NESTED_PHASES else BAR_WIDTH,
-            marker=dict(color=phase_color(phase), line=dict(width=0)),
+            marker=dict(color=phase_color(phase), line=OUTLINE),
+            text=custom[:, 1], textposition="inside", insidetextanchor="middle", textangle=0,
+            textfont=dict(color=label_color(phase_color(phase))), constraintext="inside",
             customdata=custom, hovertemplate=_HOVER,
         ))
     _step_marks(fig, df, t0)
     fig.update_layout(
         title=title or f"step timeline ({df['mode'].iloc[0] or 'spans'}, steps {_step_list(df)})",
         barmode="overlay", bargap=0.15, template="plotly_white", hovermode="closest",
+        uniformtext=dict(minsize=LABEL_MIN_PX, mode="hide"),
         height=max(360, 90 + 34 * len(rows)), legend=dict(traceorder="normal", title="phase"),
         xaxis=dict(title="seconds since first span", rangemode="tozero", showgrid=True),
         yaxis=dict(title=None, type="category", categoryorder="array", categoryarray=rows,
