@@ -18,6 +18,7 @@ from distflow_lab.models.fsdp import TrainEngine
 from distflow_lab.models.model_dir import load_model_dir
 from distflow_lab.models.rollout import make_rollout
 from distflow_lab.runtime.context import StageContext
+from distflow_lab.runtime.weights import state_checksum
 
 
 @dataclass
@@ -31,36 +32,98 @@ class WeightSync:
         self.stale = not self.shared
 
 
+TRAIN_ROLES = {"actor", "reference", "critic"}
+
+
 def setup_engines(ctx: StageContext, cfg: RunConfig) -> dict[str, Any]:
+    """The engines of the stages this worker runs (`ctx.roles`): all of them when every stage
+    runs on every worker (colocated); only the training or the generation side on worker
+    groups, each with its half of the weight sync ("weights": export or import)."""
     torch.manual_seed(cfg.seed)
     dtype = getattr(torch, cfg.model.dtype)
+    trains, generates = bool(ctx.roles & TRAIN_ROLES), "rollout" in ctx.roles
     model, tokenizer = load_model_dir(cfg.model.path, dtype=dtype)
     temp = cfg.rollout.temperature
-    pg = ctx.groups.get("actor_update")  # the training layout's data-parallel group (FSDP2 shards over it)
-    actor = TrainEngine(model, cfg.actor, process_group=pg,
-                        micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
-    ref = TrainEngine(load_model_dir(cfg.model.path, dtype=dtype)[0], None, process_group=pg,
-                      micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
     hf = cfg.rollout.engine == "hf"
-    shared = hf and not actor.distributed  # 1 worker: generate with the actor's own module
-    gen_model = actor.model if shared else (load_model_dir(cfg.model.path, dtype=dtype)[0] if hf else None)
-    vllm_args = {} if hf else {"dtype": cfg.model.dtype, "seed": cfg.seed}  # the rest comes from cfg.rollout
-    engines: dict[str, Any] = {
-        "tokenizer": tokenizer, "actor": actor, "ref": ref,
-        "rollout": make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
-                                cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args),
-        "sync": WeightSync(shared=shared), "reward_fn": make_reward_fn(cfg.reward),
-    }
-    if cfg.algorithm.name == "ppo":
+    engines: dict[str, Any] = {"tokenizer": tokenizer, "reward_fn": make_reward_fn(cfg.reward)}
+    actor = None
+    if trains:
+        pg = ctx.groups.get("actor_update")  # the training layout's data-parallel group (FSDP2 shards over it)
+        actor = engines["actor"] = TrainEngine(model, cfg.actor, process_group=pg, temperature=temp,
+                                               micro_token_budget=cfg.actor.micro_token_budget)
+        engines["ref"] = TrainEngine(load_model_dir(cfg.model.path, dtype=dtype)[0], None, process_group=pg,
+                                     micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
+    shared = generates and actor is not None and hf and not actor.distributed  # generate with the actor's module
+    if generates:
+        gen_model = actor.model if shared else ((model if actor is None else load_model_dir(cfg.model.path,
+                                                                                           dtype=dtype)[0]) if hf
+                                                else None)
+        vllm_args = {} if hf else {"dtype": cfg.model.dtype, "seed": cfg.seed}  # the rest comes from cfg.rollout
+        engines["rollout"] = make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
+                                          cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args)
+    engines["sync"] = WeightSync(shared=shared)
+    if trains and not generates:
+        engines["weights"] = ActorWeights(actor)
+    elif generates and not trains:
+        engines["weights"] = RolloutWeights(engines["rollout"], gen_model)
+    if trains and cfg.algorithm.name == "ppo":
         critic = build_critic_from(cfg.model.path, dtype=dtype)
         engines["critic"] = TrainEngine(critic, cfg.critic,
                                         process_group=ctx.groups.get("critic_update"),
                                         micro_token_budget=cfg.critic.micro_token_budget, critic=True)
-    if hasattr(engines["rollout"], "sleep"):  # vLLM beside FSDP2: it sleeps whenever a trainer computes
+    if generates and hasattr(engines["rollout"], "sleep"):  # vLLM beside FSDP2: it sleeps whenever a trainer computes
         for name in ("actor", "ref", "critic"):
             if name in engines:
                 engines[name].before_compute.append(engines["rollout"].sleep)
     return engines
+
+
+class ActorWeights:
+    """The training side of the weight sync: the actor's full state (an FSDP gather)."""
+
+    def __init__(self, actor: TrainEngine) -> None:
+        self.actor, self.version = actor, 0
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        return self.actor.full_state_dict()
+
+    def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        raise RuntimeError("the training group publishes weights; it never imports them")
+
+    def checksum(self) -> float:
+        """Collective under FSDP (a full gather): every training rank must call it."""
+        return state_checksum(self.actor.full_state_dict())
+
+
+class RolloutWeights:
+    """The generation side: published weights go into the rollout engine."""
+
+    def __init__(self, rollout: Any, model: Any) -> None:
+        self.rollout, self.model, self.version = rollout, model, 0
+        self._sum = state_checksum(model.state_dict()) if model is not None else 0.0
+
+    def export_state(self) -> None:
+        return None
+
+    def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.rollout.load_weights(state)
+        self.version, self._sum = version, state_checksum(state)
+
+    def checksum(self) -> float:
+        return self._sum
+
+
+def policy_version(ctx: StageContext) -> int:
+    """The version of the policy this worker generates with (0 when nothing is published)."""
+    w = ctx.engines.get("weights")
+    return w.version if w is not None else 0
+
+
+def mark_updated(ctx: StageContext) -> None:
+    """After an optimizer step: a new policy version, published to a separate rollout group."""
+    w = ctx.engines.get("weights")
+    if w is not None:
+        w.version += 1
 
 
 def make_reward_fn(opts: RewardOptions) -> Callable[[str, str, str], float]:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from distflow_lab.algos.engine_setup import sync_weights
+from distflow_lab.algos.engine_setup import mark_updated, policy_version, sync_weights
 from distflow_lab.algos.estimators import ESTIMATORS
-from distflow_lab.algos.losses import kl_penalty, masked_mean, ppo_token_loss
+from distflow_lab.algos.losses import kl_penalty, masked_mean, off_policy_weights, ppo_token_loss
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import DataSpec, RunConfig
 from distflow_lab.graph.dag import DAG
@@ -59,6 +59,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
                   "ground_truth": [rm["ground_truth"] for rm in batch["reward_model"]],
                   "data_source": list(batch["data_source"])}
     objects = {k: np.repeat(np.asarray(v, dtype=object), n) for k, v in per_prompt.items()}
+    cols["version"] = torch.full((len(cols["responses"]),), policy_version(ctx), dtype=torch.int64)
     lengths = cols["response_mask"].sum(1).float()
     ctx.log(**{"rollout/prompts_truncated": truncated, "response_length/mean": lengths.mean().item(),
                "response_length/clip_frac": (lengths == cfg.rollout.max_response_len).float().mean().item()})
@@ -102,6 +103,9 @@ def actor_loss(cfg: RunConfig):
         mask = mb["response_mask"]
         loss, metrics = ppo_token_loss(mb["old_log_probs"], log_probs, mb["advantages"], mask,
                                        a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c)
+        if a.off_policy != "none":  # samples from an older policy: weigh by pi_prox / pi_behaviour
+            w, more = off_policy_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.off_policy, a.is_cap)
+            loss, metrics = loss * w, {**metrics, **more}
         if a.use_kl_loss:
             kl = kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
             loss = loss + a.kl_loss_coef * kl
@@ -115,12 +119,15 @@ def actor_loss(cfg: RunConfig):
 
 def actor_update(batch: Batch, ctx: StageContext) -> Batch:
     cfg, actor = ctx.config, ctx.engines["actor"]
-    cols = {k: batch[k] for k in (*MODEL_INPUTS, "response_mask", "old_log_probs", "ref_log_probs", "advantages")}
+    extra = ("rollout_log_probs",) if cfg.actor.off_policy != "none" else ()
+    cols = {k: batch[k] for k in (*MODEL_INPUTS, "response_mask", "old_log_probs", "ref_log_probs", "advantages",
+                                  *extra)}
     metrics: dict[str, float] = {}
     for mini in _mini_batches(cols, cfg.actor.mini_batches):
         metrics = actor.train_step(mini, actor_loss(cfg), cfg.actor.loss_agg_mode,
                                    with_entropy=cfg.actor.entropy_coeff > 0)
     ctx.engines["sync"].stale = True  # the rollout must pick up the new weights
+    mark_updated(ctx)  # a new policy version (published to a separate rollout group)
     ctx.log(**{f"actor/{k}": v for k, v in metrics.items()})
     return batch
 

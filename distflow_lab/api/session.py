@@ -23,7 +23,8 @@ import pandas as pd
 
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import (SWITCHES_BY_MODE, Balance, ClusterOptions, ConfigError, RunConfig,
-                                      SessionConfig, Switches, check_switches, load_model)
+                                      ScheduleOptions, SessionConfig, Switches, check_schedule, check_switches,
+                                      load_model)
 from distflow_lab.dataplane.centralized import CentralizedPlane
 from distflow_lab.dataplane.coordinator import CoordinatorPlane
 from distflow_lab.dataplane.distributed import DistributedPlane
@@ -49,7 +50,11 @@ def session_config(base: SessionConfig | dict | None = None, *,
                    # switches
                    local_cache: bool | None = None, double_buffer: bool | None = None,
                    balance: Balance | str | None = None, num_buffers: int | str | None = None,
-                   rows_per_object: int | None = None) -> SessionConfig:
+                   rows_per_object: int | None = None,
+                   # schedule
+                   schedule: Literal["sync", "one_step_off", "async"] | None = None,
+                   max_staleness: int | None = None, partial_rollout: bool | None = None,
+                   on_stale: Literal["drop", "regenerate"] | None = None) -> SessionConfig:
     """`base` with the given options changed (None: unchanged); checked as a whole,
     including that every switch set means something in the mode."""
     base = base if isinstance(base, SessionConfig) else load_model(SessionConfig, dict(base or {}))
@@ -61,11 +66,17 @@ def session_config(base: SessionConfig | dict | None = None, *,
     switches = {**base.switches.model_dump(exclude_unset=True), **given(
         local_cache=local_cache, double_buffer=double_buffer, balance=balance, num_buffers=num_buffers,
         rows_per_object=rows_per_object)}
-    top = {**base.model_dump(exclude={"algo", "cluster", "switches"}),
+    sched = {**base.schedule.model_dump(exclude_unset=True), **given(
+        kind=schedule, max_staleness=max_staleness, partial_rollout=partial_rollout, on_stale=on_stale)}
+    if schedule is not None and schedule != base.schedule.kind:  # a new schedule starts from its own defaults
+        sched = given(kind=schedule, max_staleness=max_staleness, partial_rollout=partial_rollout, on_stale=on_stale)
+    top = {**base.model_dump(exclude={"algo", "cluster", "switches", "schedule"}),
            **given(mode=mode, seed=seed, keep_outputs=keep_outputs, history_steps=history_steps)}
     cfg = SessionConfig(**{**top, "cluster": load_model(ClusterOptions, cluster, "cluster options"),
-                           "switches": load_model(Switches, switches, "switches")}, algo=base.algo)
+                           "switches": load_model(Switches, switches, "switches"),
+                           "schedule": load_model(ScheduleOptions, sched, "schedule")}, algo=base.algo)
     check_switches(cfg.mode, cfg.switches)
+    check_schedule(cfg.mode, cfg.schedule)
     return cfg
 
 
@@ -264,6 +275,20 @@ class Session:
         from distflow_lab.observe.curves import metric_curves
 
         return metric_curves(self.metrics, columns)
+
+    def staleness(self):
+        """Per training update: the trained samples by how many policy versions they lagged."""
+        from distflow_lab.observe.schedule_figures import staleness_figure
+
+        lanes = self.controller.lanes
+        first = self.plan.stages[lanes.train_stages[0]].id if lanes else self.plan.stages[-1].id
+        return staleness_figure(self.items(), first, self.config.schedule.staleness)
+
+    def idle(self):
+        """Per training update: the trainer's and the rollout group's idle share, and the wall time."""
+        from distflow_lab.observe.schedule_figures import idle_figure
+
+        return idle_figure(self.metrics)
 
     def dag_figure(self):
         from distflow_lab.observe.dag_figure import dag_figure

@@ -65,15 +65,17 @@ class Switches(Strict):
     double_buffer: bool = True
     """Release a step's buffer or coordinator state in the background (off: synchronously, on the actor's event loop)."""
     balance: Balance = Balance.LPT
-    """Load balancing where the layout changes: lpt, kk or none."""
+    """Load balancing where the layout changes: lpt, kk, workload, group, minibatch or none (see `Balance`)."""
     num_buffers: int | Literal["per_node"] = "per_node"
     """DataBuffer actors (distributed mode): one per Ray node, or this many (1 = one central buffer)."""
+    rows_per_object: int = Field(default=0, ge=0)
+    """Coordinator mode: rows per object a producer puts. 0: its whole output in one object (fewest puts; a consumer on another node pulls it whole); 1: one object per sample, as siiRL (only used rows cross nodes, one put per sample)."""
 
 
 # Which switches mean something in which mode (the others are errors when set explicitly).
 SWITCHES_BY_MODE: dict[str, tuple[str, ...]] = {
     "centralized": ("balance",),
-    "coordinator": ("local_cache", "double_buffer", "balance"),
+    "coordinator": ("local_cache", "double_buffer", "balance", "rows_per_object"),
     "distributed": ("local_cache", "double_buffer", "balance", "num_buffers"),
 }
 
@@ -87,7 +89,8 @@ def check_switches(mode: str, switches: Switches) -> None:
         raise ConfigError(f"switch {bad[0]!r} has no meaning in mode {mode!r} (it applies to "
                           f"{[m for m, s in SWITCHES_BY_MODE.items() if bad[0] in s]}); drop it or change the mode")
     if switches.balance == Balance.IDENTITY:
-        raise ConfigError("switches.balance='identity' is internal (local cache off); use lpt, kk or none")
+        raise ConfigError("switches.balance='identity' is internal (local cache off); use one of "
+                          f"{[b.value for b in Balance if b != Balance.IDENTITY]}")
 
 
 class ClusterOptions(Strict):
@@ -111,6 +114,41 @@ class ClusterOptions(Strict):
     """Start a torch.distributed process group over the workers (gloo on CPU, nccl on GPU)."""
 
 
+class ScheduleOptions(Strict):
+    """How steps overlap. sync: every stage of a step, then the next (DistFlow, the paper).
+    one_step_off: generation of step t+1 runs beside training of step t on disjoint worker
+    groups. async: generation runs ahead continuously, up to `max_staleness` policy versions."""
+
+    kind: Literal["sync", "one_step_off", "async"] = "sync"
+    """The schedule."""
+    max_staleness: int = Field(default=1, ge=0)
+    """async: no trained sample comes from a policy more than this many versions old (0: sync order)."""
+    partial_rollout: bool = False
+    """async: a generation in flight continues across a weight update (each token keeps its policy version)."""
+    on_stale: Literal["drop", "regenerate"] = "drop"
+    """async with partial rollouts: a sequence in flight whose oldest token is more than max_staleness versions old is dropped, or generated again from its start (counted). Without partial rollouts nothing is ever stale: generation is paced to stay within the bound."""
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "ScheduleOptions":
+        if self.kind != "async":
+            extra = sorted(self.model_fields_set & {"max_staleness", "partial_rollout", "on_stale"})
+            if extra:
+                raise ValueError(f"{extra[0]} has no meaning for schedule {self.kind!r} (only for 'async')")
+        return self
+
+    @property
+    def staleness(self) -> int:
+        """The bound the schedule keeps: 0 for sync, 1 for one_step_off, max_staleness for async."""
+        return {"sync": 0, "one_step_off": 1}.get(self.kind, self.max_staleness)
+
+
+def check_schedule(mode: str, schedule: ScheduleOptions) -> None:
+    """The centralized plane moves every batch through the driver stage by stage: it cannot overlap steps."""
+    if schedule.kind != "sync" and mode == "centralized":
+        raise ConfigError(f"schedule {schedule.kind!r} needs the coordinator or distributed data plane; mode "
+                          "'centralized' moves every batch through the driver, stage by stage, one step at a time")
+
+
 class SessionConfig(Strict):
     """A session: where it runs, how the data plane behaves, and the algorithm's own config."""
 
@@ -122,6 +160,8 @@ class SessionConfig(Strict):
     """Worker placement."""
     switches: Switches = Field(default_factory=Switches)
     """Data-plane switches (ablations)."""
+    schedule: ScheduleOptions = Field(default_factory=ScheduleOptions)
+    """sync, one_step_off or async (the last two need a DAG with worker groups)."""
     keep_outputs: bool = True
     """Keep each stage's latest output on the workers so `peek` can show samples."""
     history_steps: int = Field(default=1000, ge=1)
@@ -318,6 +358,10 @@ class ActorOptions(Optim):
     """Weight of the KL loss."""
     kl_loss_type: KLKind = "low_var_kl"
     """KL estimator for the loss (k3 = low_var_kl)."""
+    off_policy: Literal["none", "decoupled", "tis"] = "none"
+    """Correct for samples from an older policy (async schedules): decoupled PPO, or truncated IS (needs rollout.log_probs)."""
+    is_cap: float = Field(default=2.0, gt=0)
+    """Truncated IS: the cap on pi_prox / pi_behaviour."""
 
 
 class CriticOptions(Optim):
@@ -417,25 +461,41 @@ class RunConfig(Strict):
     """Worker placement."""
     switches: Switches = Field(default_factory=Switches)
     """Data-plane switches (ablations)."""
+    schedule: ScheduleOptions = Field(default_factory=ScheduleOptions)
+    """sync, one_step_off or async (the last two need `groups`)."""
+    groups: dict[str, int] | None = None
+    """Worker groups, generation first then training (e.g. {rollout: 1, train: 1}); None: every stage on every worker."""
 
     def session_config(self) -> SessionConfig:
-        return SessionConfig(mode=self.mode, seed=self.seed, cluster=self.cluster, switches=self.switches, algo=self)
+        return SessionConfig(mode=self.mode, seed=self.seed, cluster=self.cluster, switches=self.switches,
+                             schedule=self.schedule, algo=self)
 
     def check_sizes(self) -> None:
         """Impossible sizes fail here, before any worker starts."""
         w, tp = self.cluster.world_size, self.rollout.tp
-        if w % tp:
-            raise ConfigError(f"rollout.tp={tp} does not divide cluster.world_size={w}")
-        dp = w // tp
+        if self.schedule.kind != "sync" and not self.groups:
+            raise ConfigError(f"schedule.kind={self.schedule.kind} needs groups (e.g. groups: {{rollout: 1, train: 1}}): "
+                              "generation and training on disjoint workers")
+        if self.groups and len(self.groups) != 2:
+            raise ConfigError(f"groups must name two worker groups (generation, training), got {self.groups}")
+        if self.groups and sum(self.groups.values()) != w:
+            raise ConfigError(f"groups {self.groups} hold {sum(self.groups.values())} workers but "
+                              f"cluster.world_size={w}")
+        gen, train = self.groups.values() if self.groups else (w, w)
+        where = "the generation group's" if self.groups else "cluster.world_size"
+        if gen % tp:
+            raise ConfigError(f"rollout.tp={tp} does not divide {where} {gen} workers")
+        dp = gen // tp
         if self.data.prompts_per_step % dp:
             raise ConfigError(f"data.prompts_per_step={self.data.prompts_per_step} is not divisible by the rollout's "
-                              f"data-parallel size {dp} (world_size {w} / rollout.tp {tp})")
-        if (self.data.prompts_per_step * self.rollout.n) % w:
-            raise ConfigError(f"prompts_per_step x rollout.n = {self.data.prompts_per_step * self.rollout.n} responses "
-                              f"cannot be split evenly over {w} training workers")
-        if self.actor.mini_batches > 1 and (self.data.prompts_per_step * self.rollout.n // w) % self.actor.mini_batches:
+                              f"data-parallel size {dp} ({where} {gen} / rollout.tp {tp})")
+        responses = self.data.prompts_per_step * self.rollout.n
+        if responses % train:
+            raise ConfigError(f"prompts_per_step x rollout.n = {responses} responses cannot be split evenly over "
+                              f"{train} training workers")
+        if self.actor.mini_batches > 1 and (responses // train) % self.actor.mini_batches:
             raise ConfigError(f"actor.mini_batches={self.actor.mini_batches} does not divide the "
-                              f"{self.data.prompts_per_step * self.rollout.n // w} responses per worker")
+                              f"{responses // train} responses per worker")
         if self.rollout.engine == "vllm":
             import importlib.util
 
@@ -445,6 +505,10 @@ class RunConfig(Strict):
         if self.cluster.world_size > 1 and not self.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
         check_switches(self.mode, self.switches)
+        check_schedule(self.mode, self.schedule)
+        if self.actor.off_policy != "none" and not self.rollout.log_probs:
+            raise ConfigError(f"actor.off_policy={self.actor.off_policy} needs the behaviour log-probs: set "
+                              "rollout.log_probs=true")
 
 
 # ---------------------------------------------------------------------------------
@@ -493,7 +557,7 @@ def load_model(cls: type[BaseModel], data: dict, source: str = "<config>", overr
             key = ".".join(str(p) for p in err["loc"]) or "(root)"
             what = "unknown key (not a field of this section)" if err["type"] == "extra_forbidden" else err["msg"]
             origin = next((f" (from the override {o!r})" for k, o in given.items()
-                           if key == k or key.startswith(k + ".")), "")
+                           if key == k or key.startswith(k + ".") or k.startswith(key + ".")), "")
             lines.append(f"  {key}: {what}{origin}")
         from_overrides = all("from the override" in line for line in lines)
         where = "command-line overrides" if from_overrides else source

@@ -23,6 +23,7 @@ from distflow_lab.core.config import ConfigError, DataSpec, Strict
 from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.shapes import grpo_shape, ppo_shape
 from distflow_lab.runtime.context import StageContext
+from distflow_lab.runtime.weights import SyntheticWeights
 
 
 class SyntheticParams(Strict):
@@ -40,6 +41,12 @@ class SyntheticParams(Strict):
     """rollout: lognormal sigma of response lengths."""
     us_per_token: float = Field(default=0.0, ge=0)
     """every stage: simulated compute, microseconds per token (a sleep)."""
+    decode_us: float = Field(default=0.0, ge=0)
+    """rollout: simulated latency of one decode iteration of the whole batch (0: use us_per_token)."""
+    refresh_every: int = Field(default=16, ge=1)
+    """rollout with partial rollouts: decode iterations between policy refreshes."""
+    weight_mib: float = Field(default=1.0, gt=0)
+    """actor_update: size of the synthetic policy that weight sync moves between groups."""
     p_correct: float = Field(default=0.5, ge=0, le=1)
     """reward: probability that a response scores 1."""
 
@@ -60,31 +67,121 @@ def _simulate(batch: Batch, ctx: StageContext, tokens: int | None = None) -> Non
         time.sleep(n * us * 1e-6)
 
 
-def rollout(batch: Batch, ctx: StageContext) -> Batch:
-    p = params(ctx)
-    n, P, R = p.n, p.max_prompt_len, p.max_response_len
-    g = ctx.rng
-    prompt_len = torch.as_tensor([min(int(x), P) for x in batch["prompt_len"]], dtype=torch.int64)
-    prompt_len = prompt_len.repeat_interleave(n)
-    rows = len(prompt_len)
-    mean, sigma = p.response_len_mean or R / 4, p.response_len_sigma
-    normal = torch.randn(rows, generator=g, dtype=torch.float64)
-    resp_len = torch.exp(np.log(mean) + sigma * normal).round().clamp(1, R).to(torch.int64)
+def _columns(prompt_len: torch.Tensor, resp_len: torch.Tensor, uid: np.ndarray, versions: torch.Tensor,
+             P: int, R: int, g: torch.Generator) -> Batch:
+    """verl's layout (prompts left-padded to P, responses right-padded to R) for these rows,
+    with each token's policy version (`token_versions`) and each row's oldest (`version`)."""
     cols = torch.arange(P + R)
-    # verl layout: prompts left-padded to P, responses right-padded to R
     prompt_mask = cols[None, :P] >= (P - prompt_len)[:, None]
     response_mask = cols[None, :R] < resp_len[:, None]
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1).to(torch.int64)
-    input_ids = torch.randint(3, 32000, (rows, P + R), generator=g) * attention_mask
+    input_ids = torch.randint(3, 32000, (len(prompt_len), P + R), generator=g) * attention_mask
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    token_versions = versions * response_mask
+    big = torch.iinfo(torch.int64).max
+    version = torch.where(response_mask, token_versions, big).min(1).values if R else versions[:, 0]
+    return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "responses": input_ids[:, P:].clone(), "response_mask": response_mask.to(torch.int64),
+                  "token_versions": token_versions.to(torch.int64), "version": version.to(torch.int64)},
+                 {"uid": uid}, {"max_prompt_len": P, "max_response_len": R})
+
+
+def _lengths(p: SyntheticParams, rows: int, g: torch.Generator) -> torch.Tensor:
+    mean, sigma = p.response_len_mean or p.max_response_len / 4, p.response_len_sigma
+    normal = torch.randn(rows, generator=g, dtype=torch.float64)
+    return torch.exp(np.log(mean) + sigma * normal).round().clamp(1, p.max_response_len).to(torch.int64)
+
+
+def rollout(batch: Batch, ctx: StageContext) -> Batch:
+    """n responses per prompt. Time (a simulated wait, so 2 cores do not decide it):
+    `decode_us` per decode iteration, batched decoding: the batch takes as many iterations
+    as its longest response (static batching), or with partial rollouts in the async
+    schedule, `StreamingDecoder` (continuous batching); else `us_per_token` per token."""
+    p = params(ctx)
+    if ctx.schedule.partial_rollout and p.decode_us > 0:
+        return _streaming(batch, ctx, p)
+    n, P, R = p.n, p.max_prompt_len, p.max_response_len
+    prompt_len = torch.as_tensor([min(int(x), P) for x in batch["prompt_len"]], dtype=torch.int64).repeat_interleave(n)
+    resp_len = _lengths(p, len(prompt_len), ctx.rng)
     uid = np.repeat(np.asarray([f"{int(r)}" for r in batch["row_id"]], dtype=object), n)
-    out = Batch(
-        {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
-         "responses": input_ids[:, P:].clone(), "response_mask": response_mask.to(torch.int64)},
-        {"uid": uid},
-        {"max_prompt_len": P, "max_response_len": R},
-    )
-    _simulate(out, ctx)
+    version = policy(ctx).version
+    out = _columns(prompt_len, resp_len, uid, torch.full((len(uid), R), version), P, R, ctx.rng)
+    if p.decode_us > 0 and len(resp_len):
+        time.sleep(int(resp_len.max()) * p.decode_us * 1e-6)  # the batch waits for its longest response
+    else:
+        _simulate(out, ctx)
+    ctx.log(**{"rollout/partial_frac": 0.0, "rollout/len_max_over_median":
+               float(resp_len.max() / resp_len.median()) if len(resp_len) else 0.0})
+    return out
+
+
+class StreamingDecoder:
+    """Continuous batching with partial rollouts (the async schedule): up to `slots`
+    sequences decode together, one token each per iteration of `decode_us`; a finished
+    sequence's slot is refilled at once from the waiting prompts; sequences still in
+    flight when a call has its rows stay for the next call, and keep decoding across
+    weight updates, each token stamped with the version that produced it. The policy is
+    refreshed every `refresh_every` iterations. Time is a simulated wait."""
+
+    def __init__(self) -> None:
+        self.waiting: list[tuple[int, int, str]] = []  # (prompt_len, response_len, uid)
+        self.active: list[dict] = []
+
+    def add(self, prompt_len: torch.Tensor, resp_len: torch.Tensor, uid: np.ndarray) -> None:
+        self.waiting += list(zip(prompt_len.tolist(), resp_len.tolist(), uid.tolist()))
+
+    def run(self, rows: int, slots: int, decode_us: float, refresh_every: int, ctx: StageContext) -> list[dict]:
+        """Decode until `rows` sequences have finished; return them (oldest first)."""
+        done: list[dict] = []
+        version = policy(ctx).version
+        while len(done) < rows:
+            while len(self.active) < slots and self.waiting:
+                pl, rl, u = self.waiting.pop(0)
+                self.active.append({"prompt_len": pl, "len": rl, "uid": u, "versions": []})
+            if not self.active:
+                break
+            left = min(s["len"] - len(s["versions"]) for s in self.active)  # iterations to the next finish
+            step = max(1, min(left, refresh_every))
+            time.sleep(step * decode_us * 1e-6)
+            for s in self.active:
+                s["versions"] += [version] * min(step, s["len"] - len(s["versions"]))
+            done += [s for s in self.active if len(s["versions"]) >= s["len"]]
+            self.active = [s for s in self.active if len(s["versions"]) < s["len"]]
+            if ctx.refresh_policy is not None:
+                version = ctx.refresh_policy()  # a new policy from here on, for tokens in flight too
+                self._age_out(version, ctx)
+        return done
+
+    def _age_out(self, version: int, ctx: StageContext) -> None:
+        """Sequences whose oldest token is already more than max_staleness versions old can
+        never be trained on: drop them, or start them again (`on_stale`), counted."""
+        k, keep = ctx.schedule.max_staleness, []
+        for s in self.active:
+            if s["versions"] and version - s["versions"][0] > k:
+                if ctx.schedule.on_stale == "regenerate":
+                    s["versions"] = []
+                    ctx.count(**{"rollout/stale_regenerated": 1})
+                else:
+                    ctx.count(**{"rollout/stale_dropped": 1})
+                    continue
+            keep.append(s)
+        self.active = keep
+
+
+def _streaming(batch: Batch, ctx: StageContext, p: SyntheticParams) -> Batch:
+    dec = ctx.engines.setdefault("decoder", StreamingDecoder())
+    n, P, R = p.n, p.max_prompt_len, p.max_response_len
+    prompt_len = torch.as_tensor([min(int(x), P) for x in batch["prompt_len"]], dtype=torch.int64).repeat_interleave(n)
+    dec.add(prompt_len, _lengths(p, len(prompt_len), ctx.rng),
+            np.repeat(np.asarray([f"{int(r)}" for r in batch["row_id"]], dtype=object), n))
+    done = dec.run(len(prompt_len), len(prompt_len), p.decode_us, p.refresh_every, ctx)
+    versions = torch.zeros((len(done), R), dtype=torch.int64)
+    for i, s in enumerate(done):
+        versions[i, :len(s["versions"])] = torch.as_tensor(s["versions"])
+    out = _columns(torch.as_tensor([s["prompt_len"] for s in done]), torch.as_tensor([s["len"] for s in done]),
+                   np.asarray([s["uid"] for s in done], dtype=object), versions, P, R, ctx.rng)
+    spans_versions = [len(set(s["versions"])) > 1 for s in done]
+    ctx.log(**{"rollout/partial_frac": float(np.mean(spans_versions)) if done else 0.0})
     return out
 
 
@@ -126,8 +223,15 @@ def gae(batch: Batch, ctx: StageContext) -> Batch:
     return batch.with_columns(advantages=adv.float(), returns=ret.float())
 
 
+def policy(ctx: StageContext) -> SyntheticWeights:
+    """This worker's synthetic policy (created on first use; an update bumps its version)."""
+    return ctx.engines.setdefault("weights", SyntheticWeights(params(ctx).weight_mib, seed=ctx.seed))
+
+
 def actor_update(batch: Batch, ctx: StageContext) -> Batch:
     _simulate(batch, ctx)
+    w = policy(ctx)
+    w.bump(w.version + 1)  # what an optimizer step does to the policy, as far as weight sync can tell
     mask = batch["response_mask"]
     ctx.log(**{"actor/tokens": float(batch["attention_mask"].sum()),
                "actor/adv_mean": float((batch["advantages"] * mask).sum() / mask.sum().clamp(min=1))})
@@ -162,14 +266,16 @@ def _knobs(**kw) -> dict:
 def synthetic_grpo(batch_size: int = 16, n: int = 4, max_prompt_len: int = 256, max_response_len: int = 256,
                    rollout_tp: int = 1, us_per_token: float = 0.0, data: DataSpec | None = None,
                    response_len_mean: float | None = None, response_len_sigma: float = 0.6,
-                   groups: dict[str, int] | None = None) -> DAG:
+                   groups: dict[str, int] | None = None, decode_us: float = 0.0, weight_mib: float = 1.0) -> DAG:
     """The synthetic GRPO DAG: `batch_size` prompts per step, `n` responses each; with
-    `groups` (e.g. {"rollout": 2, "train": 2}) generation and training on disjoint workers."""
+    `groups` (e.g. {"rollout": 2, "train": 2}) generation and training on disjoint workers;
+    `decode_us` > 0 models batched decoding (see `rollout`); `weight_mib` is the policy size."""
     sim = {"params": _knobs(us_per_token=us_per_token)}
     roll = {"params": _knobs(n=n, max_prompt_len=max_prompt_len, max_response_len=max_response_len,
                              response_len_mean=response_len_mean, response_len_sigma=response_len_sigma,
-                             us_per_token=us_per_token)}
-    extras = {"rollout": roll, "old_log_prob": sim, "ref_log_prob": sim, "actor_update": sim}
+                             us_per_token=us_per_token, decode_us=decode_us, weight_mib=weight_mib)}
+    train = {"params": _knobs(us_per_token=us_per_token, weight_mib=weight_mib)}
+    extras = {"rollout": roll, "old_log_prob": sim, "ref_log_prob": sim, "actor_update": train}
     return grpo_shape(GRPO_FNS, data or synthetic_data(batch_size, max_len=max_prompt_len), rollout_tp, extras,
                       name="synthetic-grpo", groups=groups)
 

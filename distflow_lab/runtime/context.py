@@ -4,11 +4,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 import torch
 
+from distflow_lab.core.config import ScheduleOptions
 from distflow_lab.core.spans import SpanRecorder
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ class StageContext:
     recorder: SpanRecorder | None = None
     groups: dict[str, Any] = field(default_factory=dict)  # stage id -> this worker's dp process group
     dp_rank: int | None = None  # default: from the stage's layout and `worker`
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)  # sync, one_step_off or async
+    refresh_policy: Callable[[], int] | None = None  # partial rollouts: load the newest policy, return its version
+    roles: frozenset[str] = frozenset()  # the roles of the stages this worker runs (engine set-up builds theirs)
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)
     _rng: torch.Generator | None = None

@@ -36,8 +36,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from tqdm.auto import tqdm
 
 from distflow_lab.core.config import SessionConfig
-from distflow_lab.core.errors import (CheckpointError, PlaneLost, SessionBroken, StageError, StageTimeout,
-                                      WorkerLost)
+from distflow_lab.core.errors import (CheckpointError, ConfigError, PlaneLost, SessionBroken, StageError,
+                                      StageTimeout, WorkerLost)
 from distflow_lab.core.spans import spans_to_frame
 from distflow_lab.dataplane.interface import DataPlane, PlaneSetup, Routing
 from distflow_lab.datasets.loader import check_data_node
@@ -47,6 +47,8 @@ from distflow_lab.runtime.context import stage_context
 from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
 from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
+from distflow_lab.runtime.schedules import Lanes
+from distflow_lab.runtime.weights import WeightBoard
 from distflow_lab.runtime.worker import WorkerSetup
 
 SETUP_STAGES = 4  # engine set-up (model loading) may take this many stage timeouts
@@ -69,11 +71,16 @@ class Controller:
         self.broken: str | None = None  # why the workers cannot run another step (until resume())
         self.last_checkpoint: Path | None = None
         self.placement: Placement | None = None
+        self.board = None  # the WeightBoard, when generation and training run on disjoint groups
+        self.lanes: Lanes | None = None
         self.session_id = uuid.uuid4().hex[:12]
         self._current: list[StageReport] = []
         self._step_t0 = 0.0
         self._rpcs_at_start = 0
         self._inflight: list = []  # the refs of the last gather, awaited (bounded) after a failure
+        if config.schedule.kind != "sync" and not self.plan.groups:
+            raise ConfigError(f"schedule {config.schedule.kind!r} needs a DAG on two worker groups (generation, then "
+                              f"training): dag.with_groups(rollout=..., train=...); DAG {dag.name!r} has none")
         first = self.plan.stages[0]
         if first.type == "data_load" and first.data is not None:  # bad data fails here, before any worker starts
             check_data_node(first.data, first.dp)
@@ -97,10 +104,14 @@ class Controller:
                                                self.driver_context, self.routing))
             self._init_torch_distributed()
             threads = c.threads_per_worker or default_threads(c.world_size)
+            if self.plan.groups:  # generation and training on disjoint workers: weights travel between them
+                self.board = WeightBoard.remote()
             setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.session_id, self.config.algo,
-                                self.engines, self.config.keep_outputs, threads)
+                                self.engines, self.config.keep_outputs, threads, board=self.board,
+                                schedule=self.config.schedule)
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
+            self.lanes = Lanes(self, self.config.schedule) if self.plan.groups else None
         except BaseException:
             self.close()
             raise
@@ -136,6 +147,9 @@ class Controller:
                 pass
             release(self.placement)
             self.placement = None
+        if self.board is not None:
+            ray.kill(self.board)
+            self.board = None
         self.plane.close()
 
     def __enter__(self):
@@ -148,6 +162,9 @@ class Controller:
     def step_stage(self) -> StageReport:
         """Run the next stage on every worker; return what happened."""
         self._check_usable()
+        if self.lanes is not None:
+            raise SessionBroken(f"step_stage() steps one stage of a colocated synchronous step; this session runs "
+                                f"schedule {self.config.schedule.kind!r} on worker groups {self.plan.groups}: use step()")
         step = self.step_index
         if self.next_stage == 0:
             self._begin_step()
@@ -165,6 +182,8 @@ class Controller:
     def step(self) -> StepReport:
         """Finish the current step (all of it, or what is left after step_stage calls)."""
         self._check_usable()
+        if self.lanes is not None:
+            return self.lanes.step()
         if self.next_stage:
             while self.next_stage:
                 self.step_stage()
@@ -380,8 +399,10 @@ class Controller:
         return pd.DataFrame(self.metric_rows)
 
     def items(self) -> pd.DataFrame:
-        """One row per (step, stage, item) the driver kept: the item's id and token length,
-        the worker and data-parallel rank that produced it, and how its input arrived."""
+        """One row per (step, stage, item) the driver kept: the item's id, token length and
+        policy version (when its rows carry one), the worker and data-parallel rank that
+        produced it, how its input arrived, and the training update it belongs to (`update`;
+        the same as `step`, the data key, except in the async schedules)."""
         frames = []
         for rep in [*self.history, *([StepReport(self.step_index, self.mode, self._current, 0.0)]
                                      if self._current else [])]:
@@ -389,10 +410,12 @@ class Controller:
                 for r in st.results:
                     if r.item_ids is not None and len(r.item_ids):
                         frames.append(pd.DataFrame({
-                            "step": r.step, "stage": r.stage_id, "stage_index": r.stage, "worker": r.worker,
-                            "dp_rank": r.dp_rank, "route_in": r.route_in, "item_id": r.item_ids,
-                            "tokens": r.item_tokens}))
-        cols = ["step", "stage", "stage_index", "worker", "dp_rank", "route_in", "item_id", "tokens"]
+                            "step": r.step, "update": rep.step, "stage": r.stage_id, "stage_index": r.stage,
+                            "worker": r.worker, "dp_rank": r.dp_rank, "route_in": r.route_in, "item_id": r.item_ids,
+                            "tokens": r.item_tokens,
+                            "version": r.item_versions if r.item_versions is not None else -1}))
+        cols = ["step", "update", "stage", "stage_index", "worker", "dp_rank", "route_in", "item_id", "tokens",
+                "version"]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
 
     def ledger(self) -> pd.DataFrame:
@@ -400,7 +423,9 @@ class Controller:
         Collected by the driver at every step end, so it survives an actor restart."""
         if not self.ledger_rows:
             return pd.DataFrame(columns=["step", "edge", *LEDGER_COLUMNS])
-        return pd.DataFrame(self.ledger_rows).groupby(["step", "edge"], as_index=False)[list(LEDGER_COLUMNS)].sum()
+        df = pd.DataFrame(self.ledger_rows).reindex(columns=["step", "edge", *LEDGER_COLUMNS]).fillna(0)
+        return df.groupby(["step", "edge"], as_index=False)[list(LEDGER_COLUMNS)].sum().astype(
+            {c: "int64" for c in LEDGER_COLUMNS})
 
     def peek(self, stage: str, worker: int = 0, n: int = 4, columns: list[str] | None = None):
         """The first `n` rows of `stage`'s latest output on `worker` (only those rows travel)."""

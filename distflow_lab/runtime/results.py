@@ -16,7 +16,8 @@ import pandas as pd
 from distflow_lab.core.spans import DRIVER, Span, spans_to_frame
 
 # Item counts per (step, edge) that every data plane reports: what went in, what came out.
-LEDGER_COLUMNS = ("items_reported", "items_in", "items_out", "pieces_in", "pieces_out")
+LEDGER_COLUMNS = ("items_reported", "items_in", "items_out", "pieces_in", "pieces_out",
+                  "items_dropped")  # the last: async schedules (too-stale batches, never trained)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class StageResult:
     rpcs: int = 0  # Ray calls this worker's data-plane port made for this stage
     item_ids: np.ndarray | None = None  # the `item_id` of every output row (tensor-parallel rank 0 only)
     item_tokens: np.ndarray | None = None  # and its token length: per-item metadata for lineage and replay
+    item_versions: np.ndarray | None = None  # and the policy version it came from (rows with a `version` column)
 
 
 def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:
@@ -130,6 +132,7 @@ class StepReport:
     wall_seconds: float
     end_step_seconds: float = 0.0
     driver_rpcs: int = 0  # Ray calls the driver made for this step (stage calls, data-plane calls)
+    extra_metrics: dict[str, float] = field(default_factory=dict)  # the schedule's own (staleness, idle, ...)
 
     @property
     def rpcs(self) -> int:
@@ -141,7 +144,7 @@ class StepReport:
         out: dict[str, float] = {}
         for s in self.stages:
             out.update(s.metrics)
-        return out
+        return {**out, **self.extra_metrics}
 
     @property
     def spans(self) -> pd.DataFrame:

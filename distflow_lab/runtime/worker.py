@@ -17,7 +17,7 @@ import json
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +26,7 @@ import ray
 import torch
 
 from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import ScheduleOptions
 from distflow_lab.core.errors import StageContractError, StageError
 from distflow_lab.core.spans import SpanRecorder
 from distflow_lab.dataplane.interface import WorkerPort, WorkerSpec
@@ -37,6 +38,7 @@ from distflow_lab.runtime.context import StageContext, stage_context
 from distflow_lab.runtime.profiling import ProfileSpec, profile_stage
 from distflow_lab.runtime.progress import ProgressNote
 from distflow_lab.runtime.results import StageResult
+from distflow_lab.runtime.weights import state_bytes, state_checksum
 from distflow_lab.runtime.samples import sample_rows
 
 
@@ -54,6 +56,8 @@ class WorkerSetup:
     keep_outputs: bool = True  # keep each stage's output of the latest step (for peek)
     threads: int = 1
     profile: ProfileSpec | None = None  # torch.profiler traces of chosen stages and steps
+    board: Any = None  # the WeightBoard actor when generation and training run on disjoint groups
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)  # visible to stages as ctx.schedule
 
 
 def with_item_ids(out: Batch, step: int, stage: int, dp_rank: int) -> Batch:
@@ -81,6 +85,7 @@ class DAGWorker:
         self.faults: list[dict] = []
         self.note: ProgressNote | None = None
         self._loader_at_step_start: dict | None = None
+        self._version_min: int | None = None
 
     # ---- lifecycle ---------------------------------------------------------------
     def setup(self, s: WorkerSetup) -> dict:
@@ -174,6 +179,49 @@ class DAGWorker:
                 results.append(self.run_stage(step, i)[0])
         return results
 
+    # ---- weight sync between groups (see weights.py) ----------------------------------
+    def generate_segment(self, step: int, stages: list[int]) -> dict:
+        """A generation segment: pull the newest published policy, then run the stages.
+        Returns the results and the policy version every row of its output came from
+        (`version_min`: the oldest token's, with partial rollouts)."""
+        first = self.plan.stages[stages[0]]
+        self.pull_weights(step, first.id)
+        self._version_min = None
+        results = self.run_segment(step, stages)
+        w = self.engines.get("weights")
+        version = w.version if w is not None else 0
+        return {"results": results, "version": version, "checksum": w.checksum() if w is not None else 0.0,
+                "version_min": version if self._version_min is None else self._version_min}
+
+    def train_segment(self, step: int, stages: list[int]) -> dict:
+        """A training segment, then publish the updated policy (collective export)."""
+        results = self.run_segment(step, stages)
+        w = self.engines.get("weights")
+        if w is None:
+            return {"results": results, "version": 0, "checksum": 0.0}
+        last = self.plan.stages[stages[-1]]
+        with self.rec.span(step, last.id, "weight_sync") as sp:
+            state = w.export_state()  # collective over the training group (FSDP gathers)
+            checksum = state_checksum(state) if state is not None else 0.0
+            if state is not None and last.dp_rank(self.rank) == 0 and last.group_rank(self.rank) == 0:
+                sp.bytes = state_bytes(state)
+                ray.get(self.s.board.post.remote(w.version, [ray.put(state)], checksum, sp.bytes), timeout=60)
+        if results:
+            results[-1].spans.extend(self.rec.take())
+        return {"results": results, "version": w.version, "checksum": checksum}
+
+    def pull_weights(self, step: int, stage: str) -> int:
+        """Load the newest published policy if it is newer than ours; returns our version.
+        A stage function calls it between decode chunks for partial rollouts."""
+        w = self.engines.get("weights")
+        if w is None or self.s.board is None:
+            return 0
+        version, refs, _, nbytes = ray.get(self.s.board.latest.remote(), timeout=60)
+        if version > w.version and refs:
+            with self.rec.span(step, stage, "weight_sync", bytes=nbytes):
+                w.import_state(ray.get(refs[0], timeout=60), version)
+        return w.version
+
     def run_stage(self, step: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
         """One stage: fetch, compute, publish. Returns this worker's account and the
         data plane's handoff to the driver (None unless the driver moves the data)."""
@@ -196,7 +244,8 @@ class DAGWorker:
                              out.nbytes, got.route, got.cache_hit, dict(ctx.metrics), self.rec.take(),
                              time.perf_counter() - t0, dict(ctx.counts), self.port.rpcs,
                              out["item_id"].numpy().copy() if first and "item_id" in out else None,
-                             tokens if first else None)
+                             tokens if first else None,
+                             out["version"].numpy().copy() if first and "version" in out else None)
         self.port.rpcs = 0
         return result, handoff
 
@@ -216,6 +265,9 @@ class DAGWorker:
             sp.tokens = int(item_lengths(out).sum()) if len(out) else 0
         self._check_contract(step, st, batch, out)
         out = with_item_ids(out, step, st.index, ctx.dp_rank)
+        if "version" in out and len(out):  # the policy versions the rows came from (async schedules)
+            v = int(out["version"].min())
+            self._version_min = v if self._version_min is None else min(self._version_min, v)
         if self.s.keep_outputs:
             self.outputs[st.id] = out
         return out, ctx
@@ -236,7 +288,9 @@ class DAGWorker:
     def _ctx(self, step: int, st: Stage) -> StageContext:
         return stage_context(st, step=step, worker=self.rank, world_size=self.world_size, session_seed=self.s.seed,
                              node=self.node, config=self.s.config, engines=self.engines, loader=self.loader,
-                             recorder=self.rec, groups=self.groups)
+                             recorder=self.rec, groups=self.groups, schedule=self.s.schedule,
+                             refresh_policy=lambda: self.pull_weights(step, st.id),
+                             roles=frozenset(self.plan.stages[i].role for i in self.mine))
 
     # ---- inspection ------------------------------------------------------------------
     def peek(self, stage_id: str, n: int = 4, columns: list[str] | None = None) -> Batch | None:

@@ -1,0 +1,92 @@
+"""Weight sync between worker groups: the training group publishes each new policy
+version, the generation group pulls it.
+
+    train workers:  state = engines["weights"].export_state()   (collective: FSDP gathers)
+                    tensor-parallel rank 0 of dp rank 0: ray.put(state) -> board.post(version, ref)
+    rollout workers: at the start of a generation (and, with partial rollouts, between
+                    decode chunks): board.latest() -> newer? ray.get(ref) -> import_state
+
+The payload goes through the object store once (one put, one read per node); the
+driver and the board hold only the reference. Every sync is a `weight_sync` span
+with its bytes, on both sides. `checksum()` lets a test check that the version a
+sync claims is the version the rollout workers hold.
+
+An engine that can take part implements `PolicyWeights` and sits in the worker's
+engines as "weights" (the synthetic workload's `SyntheticWeights`, the built-in
+RL algorithms' actor/rollout pair).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import ray
+import torch
+
+
+class PolicyWeights(Protocol):
+    version: int
+
+    def export_state(self) -> dict[str, torch.Tensor] | None:
+        """The full policy (collective on the training group; None on ranks that do not publish)."""
+
+    def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Load a published policy; it becomes `version`."""
+
+    def checksum(self) -> float:
+        """A number that changes with the weights (for tests and the timeline)."""
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class WeightBoard:
+    """The latest published policy: its version, the object ref of its state and checksum."""
+
+    def __init__(self) -> None:
+        self.version, self.refs, self.checksum, self.nbytes = 0, [], 0.0, 0
+
+    def post(self, version: int, refs: list, checksum: float, nbytes: int) -> None:
+        if version > self.version:  # a late post of an older version never wins
+            self.version, self.refs, self.checksum, self.nbytes = version, refs, checksum, nbytes
+
+    def latest(self) -> tuple[int, list, float, int]:
+        return self.version, self.refs, self.checksum, self.nbytes
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def state_checksum(state: dict[str, torch.Tensor]) -> float:
+    """Sum of the first few tensors (by name): equal on both sides of a sync of the same weights."""
+    return float(sum(state[k].double().sum() for k in sorted(state)[:4]))
+
+
+class SyntheticWeights:
+    """A policy-sized stand-in for the synthetic workload: `mib` of float32 whose
+    content is a function of the version, so `checksum()` tells versions apart."""
+
+    def __init__(self, mib: float = 4.0, seed: int = 0) -> None:
+        self.numel = max(1, int(mib * 2**20 / 4))
+        self.seed, self.version = seed, 0
+        self.tensor = self._make(0)
+
+    def _make(self, version: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed)
+        return torch.rand(self.numel, generator=g) + float(version)
+
+    def bump(self, version: int) -> None:
+        """What a training update does to the policy."""
+        self.version, self.tensor = version, self._make(version)
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        return {"w": self.tensor}
+
+    def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+        self.tensor, self.version = state["w"].clone(), version
+
+    def checksum(self) -> float:
+        return state_checksum(self.export_state())
+
+
+def expected_checksum(weights: Any, version: int) -> float:
+    """The checksum `weights` (a SyntheticWeights) would have at `version`."""
+    return float(weights._make(version).double().sum())
