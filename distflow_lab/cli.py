@@ -130,6 +130,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from distflow_lab.experiments.bench import e2e
 
         e2e.run(a.context, a.workers, a.prompts, a.n, a.steps, a.json, modes=a.modes)
+    elif a.which == "cli-latency":
+        from distflow_lab.experiments.bench import cli_latency
+        cli_latency.run(a.repeats, a.json)
     return 0
 
 
@@ -227,7 +230,9 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--sizes", type=int_list, default=[8, 16, 32, 64], help="producers = consumers")
     co.add_argument("--items", type=positive, default=64, help="items per producer")
     co.add_argument("--steps", type=positive, default=20)
-    for p in (d, bl, s, m, e, co):
+    cl = bsub.add_parser("cli-latency", help="seconds per bad-input CLI call (README's table; target < 1 s)")
+    cl.add_argument("--repeats", type=positive, default=5)
+    for p in (d, bl, s, m, e, co, cl):
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)
