@@ -5,9 +5,16 @@ DISTFLOW_NOTEBOOK_SIZE=ci and DISTFLOW_HOME=<a tmp dir>, working directory that
 tmp dir: models, data and outputs land there, never in the checkout. A cell
 error fails the test with nbclient's CellExecutionError (it names the cell's
 source and the traceback). Notebooks are committed without outputs.
+
+The executed notebook is then read as a static viewer would read it: converted
+to HTML (nbconvert), every plotly figure must be there (a div and a
+`Plotly.newPlot` call, plotly.js embedded once), and no saved progress bar may
+be stuck at its first state ("0/6"). `lab.notebook()` makes both hold; a fast
+test checks it on a tiny notebook without Ray.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,8 +27,62 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 IDS = [p.stem for p in NOTEBOOKS]
 
 
+PLOTLY = "application/vnd.plotly.v1+json"
+STUCK_BAR = re.compile(r"(?:^|\s)0%\|.*\| 0/\d+ \[")  # a tqdm bar saved at its first state
+
+
 def _code_cells(nb) -> list:
     return [c for c in nb.cells if c.cell_type == "code"]
+
+
+def _outputs(nb) -> list:
+    return [o for c in _code_cells(nb) for o in c.outputs]
+
+
+def check_static_export(nb, name: str) -> dict[str, int]:
+    """What a static viewer sees of an executed notebook: every plotly figure also saved as
+    HTML and drawn in nbconvert's HTML (plotly.js embedded once, no CDN needed), and no
+    progress bar saved at 0. Returns the counts, for the caller's message."""
+    from nbconvert import HTMLExporter
+
+    figures = [o for o in _outputs(nb) if PLOTLY in o.get("data", {})]
+    bare = [i for i, o in enumerate(figures) if "text/html" not in o["data"]]
+    assert not bare, f"{name}: {len(bare)} of {len(figures)} figures saved without HTML (call lab.notebook())"
+    stuck = [o["data"]["text/plain"] for o in _outputs(nb)
+             if STUCK_BAR.search(str(o.get("data", {}).get("text/plain", "")))]
+    assert not stuck, f"{name}: progress bars saved at their first state: {stuck}"
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    divs, plots = body.count('class="plotly-graph-div"'), body.count("Plotly.newPlot(")
+    assert divs >= len(figures) and plots >= len(figures), (
+        f"{name}: {len(figures)} figures but {divs} plotly divs / {plots} Plotly.newPlot calls in the HTML")
+    if figures:
+        assert body.count("* plotly.js v") == 1, f"{name}: plotly.js should be embedded exactly once"
+    return {"figures": len(figures), "divs": divs}
+
+
+def test_every_notebook_sets_up_its_outputs():
+    for path in NOTEBOOKS:
+        src = "\n".join(c.source for c in _code_cells(nbformat.read(path, as_version=4)))
+        assert "lab.notebook()" in src, f"{path.name}: call lab.notebook() so figures and bars survive export"
+
+
+def test_notebook_setup_survives_static_export(tmp_path: Path):
+    """lab.notebook() in a real kernel, no Ray: finished bars keep their final state,
+    leave=False bars vanish, a bar stopped early says where, figures export as HTML."""
+    cells = ["import distflow_lab as lab\nlab.notebook()",
+             "from tqdm.auto import tqdm\nfor i in tqdm(range(6), desc='kept'):\n    pass",
+             "bar = tqdm(range(6), desc='gone', leave=False)\nfor i in bar:\n    pass\nbar.close()",
+             "b = tqdm(range(6), desc='early')\nfor i in b:\n    if i == 2:\n        break\nb.close()",
+             "import plotly.graph_objects as go\ngo.Figure(go.Bar(y=[1, 2, 3]))",
+             "go.Figure(go.Scatter(y=[3, 1, 2]))"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    text = lambda i: [o["data"].get("text/plain", "") for o in nb.cells[i].outputs if "data" in o]  # noqa: E731
+    assert len(text(1)) == 1 and "| 6/6 [" in text(1)[0] and text(1)[0].startswith("kept: 100%")
+    assert text(2) == [""]
+    assert "| 2/6 [" in text(3)[0]
+    assert check_static_export(nb, "setup notebook") == {"figures": 2, "divs": 2}
 
 
 def test_notebooks_exist():
@@ -59,3 +120,4 @@ def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     client.execute()  # raises CellExecutionError (with the cell's source) on the first failing cell
     errors = [o for c in _code_cells(nb) for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: error outputs {[(e.ename, e.evalue) for e in errors]}"
+    check_static_export(nb, path.name)  # the same executed notebook, as nbconvert --to html shows it
