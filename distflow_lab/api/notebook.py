@@ -14,7 +14,11 @@ Two things a live JupyterLab hides and a saved notebook shows:
   `Plotly.newPlot` call), and plotly.js itself is embedded once, in the output
   of the first cell that shows a figure (about 4.7 MB, no network needed;
   "notebook_connected" would load it from a CDN instead, and fail offline).
-  JupyterLab and VS Code still draw the interactive mimetype.
+  JupyterLab and VS Code still draw the interactive mimetype; the exported
+  HTML, nbviewer and other viewers that run a page's scripts draw the HTML.
+  GitHub's notebook view runs no scripts: for it, add a static image with
+  `notebook(renderer="plotly_mimetype+notebook+png")` (needs kaleido and a
+  Chromium, `pip install -e '.[docs]'`).
 * **Progress bars.** A `tqdm` widget's saved text is the one it had when it was
   first displayed ("0/6"), so an executed notebook reads "0/6" forever. After
   `notebook()`, when a notebook bar closes its output is replaced with its
