@@ -81,6 +81,16 @@ def test_trace_matches_the_chrome_trace_event_schema(synth, tmp_path):
             {"type": "object", "required": ["ph", "name", "pid", "args"],
              "properties": {"ph": {"const": "M"}, "name": {"enum": ["process_name", "thread_name"]},
                             "args": {"type": "object", "required": ["name"]}}},
+            {"type": "object", "required": ["ph", "name", "ts", "pid", "args"],  # counter tracks
+             "properties": {"ph": {"const": "C"}, "name": {"type": "string"}, "ts": {"type": "number", "minimum": 0},
+                            "pid": {"type": "integer"}, "tid": {"type": "integer"},
+                            "args": {"type": "object", "minProperties": 1,
+                                     "additionalProperties": {"type": "number"}}}},
+            {"type": "object", "required": ["ph", "name", "id", "ts", "pid", "tid"],  # flow start / finish
+             "properties": {"ph": {"enum": ["s", "f"]}, "name": {"type": "string"},
+                            "id": {"type": ["integer", "string"]}, "ts": {"type": "number", "minimum": 0},
+                            "pid": {"type": "integer"}, "tid": {"type": "integer"}, "cat": {"type": "string"},
+                            "bp": {"const": "e"}}},
         ]}}},
     }
     jsonschema.validate(trace, schema)

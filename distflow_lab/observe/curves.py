@@ -123,3 +123,28 @@ def scaling_figure(df: pd.DataFrame, x: str = "workers", y: str = "throughput", 
     fig.update_layout(template="plotly_white", height=400, title=title or f"{y} vs {x}",
                       xaxis=dict(title=x, type="log" if log_x else "linear"), yaxis_title=y)
     return fig
+
+
+def driver_memory_figure(df: pd.DataFrame, title: str | None = None) -> go.Figure:
+    """`experiments.bench.memory.sweep_batch` rows: MiB through the driver per step and the
+    driver's peak RSS growth against tokens per step (batch x length), one line per data plane."""
+    if df is None or not len(df):
+        return empty_figure("no memory measurements", title or "driver memory")
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
+                        subplot_titles=("bytes through the driver per step", "driver RSS growth at peak"))
+    for i, (mode, part) in enumerate(df.groupby("mode", sort=False)):
+        part = part.sort_values("tokens_per_step")
+        color = series_color(i, str(mode))
+        for col, (y, label) in enumerate((("driver_bytes_per_step", "MiB/step"), ("driver_rss_growth", "MiB")), 1):
+            fig.add_trace(go.Scatter(
+                x=part["tokens_per_step"], y=part[y] / 2**20, mode="lines+markers", name=str(mode),
+                legendgroup=str(mode), showlegend=col == 1, line=dict(color=color), marker=dict(size=8),
+                customdata=part["batch"],
+                hovertemplate=f"{mode}<br>batch %{{customdata}} (%{{x:,}} tokens): %{{y:.2f}} {label}<extra></extra>",
+            ), row=1, col=col)
+    fig.update_xaxes(title_text="tokens per step (batch x length)", type="log")
+    fig.update_yaxes(title_text="MiB per step", row=1, col=1)
+    fig.update_yaxes(title_text="MiB", row=1, col=2)
+    fig.update_layout(template="plotly_white", height=400, title=title or "driver memory against batch size",
+                      legend_title="data plane", margin=dict(l=60, r=20, t=70, b=50))
+    return fig

@@ -4,6 +4,9 @@ every few steps of the synthetic workload. They must stay flat after warm-up
 distributed mode).
 
     distflow-lab bench memory --steps 200 --mode distributed --json runs/memory.json --html runs/memory.html
+
+`sweep_batch` measures the driver instead: bytes through it and its peak RSS against the
+batch size, for every data plane (`bench memory --sweep-batch 16,64,256`, once the CLI has it).
 """
 from __future__ import annotations
 
@@ -75,4 +78,89 @@ def report(steps: int = 200, mode: str = "distributed", batch: int = 64, context
         long["MiB"] = long["value"] / 2**20
         px.line(long, x="step", y="MiB", color="variable", title=f"memory over {steps} steps ({mode})") \
             .write_html(html_path, include_plotlyjs="inline")
+    return df
+
+
+# ---- driver memory against batch size, per data plane -------------------------------------------
+
+class PeakRSS:
+    """The driver's peak RSS while the block runs, sampled every `every_s` by a thread
+    (ru_maxrss cannot be reset, so a sweep in one process needs its own peak)."""
+
+    def __init__(self, every_s: float = 0.002) -> None:
+        import threading
+
+        self.every_s, self._stop, self.peak, self.before = every_s, threading.Event(), 0, 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        p = psutil.Process()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, p.memory_info().rss)
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> "PeakRSS":
+        self.before = self.peak = psutil.Process().memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, psutil.Process().memory_info().rss)
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.before
+
+
+def sweep_batch(batches: list[int] = (16, 64, 256), modes: list[str] = ("distributed", "coordinator", "centralized"),
+                context: int = 1024, workers: int = 4, steps: int = 3, n: int = 4, session=None,
+                json_path: str | None = None, progress: bool = True) -> pd.DataFrame:
+    """For each data plane and batch (responses per step): bytes through the driver per step
+    (`bytes_to_driver`) and the driver's RSS growth at its peak during `steps` steps (after
+    one warm-up step), against batch x length (tokens per step; batch x n x length in prompt
+    terms). One session is reused (`reopen`), so worker start-up is paid once. Prints a table,
+    writes the rows as JSON."""
+    import gc
+
+    from distflow_lab.api.session import Session
+
+    own = session is None
+    if own:
+        start_cluster(1, workers)
+    s = session
+    rows = []
+    try:
+        for mode in modes:
+            for batch in batches:
+                dag = bench_dag(batch, context, workers, n=n)
+                if s is None:
+                    s = Session(dag, world_size=workers, mode=mode, keep_outputs=False, history_steps=4)
+                else:
+                    s.reopen(mode=mode, dag=dag, keep_outputs=False, history_steps=4)
+                s.step()  # warm-up: first-step allocations are not the batch's
+                gc.collect()
+                sent = s.bytes_to_driver
+                with PeakRSS() as rss:
+                    for _ in range(steps):
+                        s.step()
+                rows.append({"mode": mode, "batch": batch, "n": n, "context": context,
+                             "tokens_per_step": batch * context,
+                             "driver_bytes_per_step": (s.bytes_to_driver - sent) / steps,
+                             "driver_rss_before": rss.before, "driver_rss_peak": rss.peak,
+                             "driver_rss_growth": rss.growth})
+                if progress:
+                    r = rows[-1]
+                    print(f"{mode:12s} batch {batch:5d}: {r['driver_bytes_per_step'] / 2**20:9.2f} MiB/step to the "
+                          f"driver, RSS +{r['driver_rss_growth'] / 2**20:8.2f} MiB at peak", flush=True)
+    finally:
+        if own and s is not None:
+            s.close()
+    df = pd.DataFrame(rows)
+    shown = df.assign(driver_mib_per_step=df["driver_bytes_per_step"] / 2**20,
+                      rss_growth_mib=df["driver_rss_growth"] / 2**20)
+    print_table(shown.to_dict("records"), ["mode", "batch", "tokens_per_step", "driver_mib_per_step",
+                                           "rss_growth_mib"], title="driver memory against batch size")
+    write_json(df.to_dict("records"), json_path)
     return df
