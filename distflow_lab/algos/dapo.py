@@ -39,7 +39,7 @@ def dapo_dag(cfg: RunConfig, data_path: str) -> DAG:
     fns = {**{n: f"distflow_lab.algos.grpo:{n}" for n in GRPO_STAGES},
            **{n: f"{__name__}:{n}" for n in ("reward", "actor_update")}}
     contracts = {**CONTRACTS, "reward": {"contract": {"outputs": ["acc", "scores"], "rows": "same"}}}
-    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name="dapo")
+    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name="dapo", groups=cfg.groups)
     if cfg.algorithm.dapo.dynamic_sampling:  # one more stage, in the rollout layout; its row count varies
         dag.node("dynamic_sampling", f"{__name__}:dynamic_sampling", role="rollout", type="generate",
                  deps=["reward"], layout=Layout(tp=cfg.rollout.tp),

@@ -142,6 +142,8 @@ def sync_weights(ctx: StageContext) -> None:
     the bytes gathered (each tensor once) and the tensors sent. Collective under FSDP: every
     worker runs the rollout stage."""
     sync: WeightSync = ctx.engines["sync"]
+    if "actor" not in ctx.engines:  # worker groups: the training group publishes, the worker pulls (weights.py)
+        return
     rollout, actor = ctx.engines["rollout"], ctx.engines["actor"]
     if sync.shared or not (sync.stale or getattr(rollout, "needs_weights", False)):
         return

@@ -33,7 +33,7 @@ def grpo_dag(cfg: RunConfig, data_path: str) -> DAG:
     data = DataSpec(source=data_path, batch_size=cfg.data.prompts_per_step, shuffle=cfg.data.shuffle)
     fns = {name: f"{__name__}:{name}" for name in
            ("rollout", "reward", "advantage", "old_log_prob", "ref_log_prob", "actor_update")}
-    return grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=CONTRACTS, name="grpo")
+    return grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=CONTRACTS, name="grpo", groups=cfg.groups)
 
 
 # What each stage must add and keep: a replaced stage that breaks it fails with a clear error.

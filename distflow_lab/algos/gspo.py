@@ -31,7 +31,7 @@ SHARED = ("rollout", "reward", "advantage", "old_log_prob", "ref_log_prob")
 def gspo_dag(cfg: RunConfig, data_path: str) -> DAG:
     data = DataSpec(source=data_path, batch_size=cfg.data.prompts_per_step, shuffle=cfg.data.shuffle)
     fns = {**{n: f"distflow_lab.algos.grpo:{n}" for n in SHARED}, "actor_update": f"{__name__}:actor_update"}
-    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=CONTRACTS, name="gspo")
+    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=CONTRACTS, name="gspo", groups=cfg.groups)
     if not cfg.actor.use_kl_loss:  # no KL term: nothing reads the reference's log-probs
         dag.remove("ref_log_prob").replace("actor_update", deps=["old_log_prob"])
     return dag

@@ -31,7 +31,7 @@ def ppo_dag(cfg: RunConfig, data_path: str) -> DAG:
            **{n: f"{__name__}:{n}" for n in ("values", "advantage", "critic_update")}}
     contracts = {**CONTRACTS, "values": {"contract": {"outputs": ["values"], "rows": "same"}},
                  "critic_update": {"contract": {"rows": "same"}}}
-    return ppo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name="ppo")
+    return ppo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name="ppo", groups=cfg.groups)
 
 
 def values(batch: Batch, ctx: StageContext) -> Batch:

@@ -45,6 +45,9 @@ class SyntheticParams(Strict):
     """rollout: simulated latency of one decode iteration of the whole batch (0: use us_per_token)."""
     refresh_every: int = Field(default=16, ge=1)
     """rollout with partial rollouts: decode iterations between policy refreshes."""
+    slots_per_row: float = Field(default=2.0, ge=1)
+    """rollout with partial rollouts: sequences decoding at once per row a call returns (continuous batching keeps
+    this many in flight: a call returns when its rows have finished, the rest keep decoding into the next call)."""
     weight_mib: float = Field(default=1.0, gt=0)
     """actor_update: size of the synthetic policy that weight sync moves between groups."""
     p_correct: float = Field(default=0.5, ge=0, le=1)
@@ -126,14 +129,16 @@ class StreamingDecoder:
     def __init__(self) -> None:
         self.waiting: list[tuple[int, int, str]] = []  # (prompt_len, response_len, uid)
         self.active: list[dict] = []
+        self.finished: list[dict] = []  # done beyond what the last call returned: the next call's first rows
 
     def add(self, prompt_len: torch.Tensor, resp_len: torch.Tensor, uid: np.ndarray) -> None:
         self.waiting += list(zip(prompt_len.tolist(), resp_len.tolist(), uid.tolist()))
 
     def run(self, rows: int, slots: int, decode_us: float, refresh_every: int, ctx: StageContext) -> list[dict]:
         """Decode until `rows` sequences have finished; return them (oldest first)."""
-        done: list[dict] = []
+        done, self.finished = self.finished, []
         version = policy(ctx).version
+        self._age_out(version, ctx)  # sequences carried over from before this call's policy pull
         while len(done) < rows:
             while len(self.active) < slots and self.waiting:
                 pl, rl, u = self.waiting.pop(0)
@@ -150,6 +155,7 @@ class StreamingDecoder:
             if ctx.refresh_policy is not None:
                 version = ctx.refresh_policy()  # a new policy from here on, for tokens in flight too
                 self._age_out(version, ctx)
+        done, self.finished = done[:rows], done[rows:]
         return done
 
     def _age_out(self, version: int, ctx: StageContext) -> None:
@@ -171,10 +177,18 @@ class StreamingDecoder:
 def _streaming(batch: Batch, ctx: StageContext, p: SyntheticParams) -> Batch:
     dec = ctx.engines.setdefault("decoder", StreamingDecoder())
     n, P, R = p.n, p.max_prompt_len, p.max_response_len
-    prompt_len = torch.as_tensor([min(int(x), P) for x in batch["prompt_len"]], dtype=torch.int64).repeat_interleave(n)
-    dec.add(prompt_len, _lengths(p, len(prompt_len), ctx.rng),
-            np.repeat(np.asarray([f"{int(r)}" for r in batch["row_id"]], dtype=object), n))
-    done = dec.run(len(prompt_len), len(prompt_len), p.decode_us, p.refresh_every, ctx)
+
+    def admit(b: Batch) -> int:
+        prompt_len = torch.as_tensor([min(int(x), P) for x in b["prompt_len"]], dtype=torch.int64).repeat_interleave(n)
+        dec.add(prompt_len, _lengths(p, len(prompt_len), ctx.rng),
+                np.repeat(np.asarray([f"{int(r)}" for r in b["row_id"]], dtype=object), n))
+        return len(prompt_len)
+
+    rows = admit(batch)
+    slots = int(p.slots_per_row * rows)
+    while ctx.loader is not None and len(dec.waiting) + len(dec.active) < slots:  # keep every slot busy:
+        admit(ctx.loader.next_batch())  # prompts of later steps start decoding now
+    done = dec.run(rows, slots, p.decode_us, p.refresh_every, ctx)
     versions = torch.zeros((len(done), R), dtype=torch.int64)
     for i, s in enumerate(done):
         versions[i, :len(s["versions"])] = torch.as_tensor(s["versions"])

@@ -9,7 +9,7 @@ plane carries each generated batch from one to the other, keyed by its batch
 index r. The controller (`Lanes.step`) starts what may start, waits for what
 finishes, and turns every finished training segment into one StepReport:
 
-    generation of batch r may start when  r - (updates done) <= k
+    a generation may start when at most k batches are ready or in training
     training update t takes the oldest ready batch r; if t - version_min(r) > k the batch
     is too stale: dropped, and counted (the hard guarantee: no sample older than k trains)
     after each update the training group publishes the policy; a generation pulls the
@@ -74,6 +74,16 @@ class LaneStats:
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: {"generate": [], "train": []})
 
 
+def _failed(done: list) -> bool:
+    """Whether one of these finished calls raised (a dead worker, a stage error)."""
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except RayError:
+            return True
+    return False
+
+
 def segments(controller: "Controller") -> tuple[list[int], list[int]]:
     """(generation stage indices, training stage indices) of a plan with two worker groups."""
     plan = controller.plan
@@ -127,7 +137,9 @@ class Lanes:
                 self.ready.popleft()
                 self._training = r
                 self.train = self._start("train", r.batch, self.updates, self.train_stages, self.train_workers)
-        if self.gen is None and self.next_batch - self.updates <= self.k:
+        # A generation starting now is trained after every batch ready or in training: it stays within k
+        # of the trainer if there are at most k of those (a dropped batch no longer counts).
+        if self.gen is None and len(self.ready) + (self.train is not None) <= self.k:
             self.gen = self._start("generate", self.next_batch, self.updates, self.gen_stages, self.gen_workers)
             self.next_batch += 1
 
@@ -148,8 +160,8 @@ class Lanes:
         ray.wait(pending, num_returns=1, timeout=timeout)
         for lane in lanes:
             done, _ = ray.wait(lane.refs, num_returns=len(lane.refs), timeout=0)
-            if len(done) == len(lane.refs) or time.monotonic() > lane.deadline:
-                self._finish(lane)
+            if len(done) == len(lane.refs) or time.monotonic() > lane.deadline or _failed(done):
+                self._finish(lane)  # a failed call ends its lane at once: the others may wait on it
 
     # ---- a lane finished (or failed) -----------------------------------------------
     def _collect(self, lane: Lane) -> list[dict]:

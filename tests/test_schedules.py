@@ -1,0 +1,127 @@
+"""The schedules on worker groups, with real Ray workers: async with k=0 is the
+synchronous schedule, no trained sample is staler than k, the published and the
+pulled weights are the same, every generated sample is trained once or dropped
+and counted, one-step-off learns, and a killed rollout worker is a named error."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import distflow_lab as lab
+from distflow_lab.api.runner import load_run_config, train
+from distflow_lab.core.errors import ConfigError, SessionBroken, WorkerLost
+from distflow_lab.runtime import faults
+
+GROUPS = {"rollout": 2, "train": 2}
+
+
+def dag(**kw):
+    """Long-tailed responses, batched decoding at 200 us per token, training at 10 us per token."""
+    return lab.synthetic_grpo(batch_size=8, n=4, max_prompt_len=32, max_response_len=256, groups=GROUPS,
+                              decode_us=200, us_per_token=10, response_len_mean=16, response_len_sigma=1.0, **kw)
+
+
+def test_async_with_k0_is_the_synchronous_schedule(ray_cluster):
+    runs = {}
+    s = lab.session(dag(), world_size=4, mode="coordinator")
+    try:
+        runs["sync"] = s.run(4, progress=False)
+        s.reopen(schedule="async", max_staleness=0)
+        runs["async0"] = s.run(4, progress=False)
+    finally:
+        s.close()
+    same = ["reward/mean", "actor/tokens", "actor/adv_mean", "schedule/staleness", "schedule/policy_version"]
+    assert runs["sync"][same].equals(runs["async0"][same])
+    assert (runs["async0"]["schedule/staleness"] == 0).all()
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_no_trained_sample_is_staler_than_k(ray_cluster, partial):
+    k = 1
+    s = lab.session(dag(), world_size=4, mode="distributed", schedule="async", max_staleness=k,
+                    partial_rollout=partial)
+    try:
+        m = s.run(8, progress=False)
+        items = s.items()
+    finally:
+        s.close()
+    trained = items[items["stage"] == "old_log_prob"]  # every row that entered training, with its version tag
+    assert len(trained) and (trained["version"] >= 0).all()
+    assert ((trained["update"] - trained["version"]) <= k).all()
+    assert (m["schedule/staleness"] <= k).all() and m["schedule/staleness"].max() >= 1  # it did run ahead
+    if partial:
+        assert m["rollout/partial_frac"].max() > 0  # some sequences kept decoding across an update
+
+
+def test_the_version_a_sync_claims_is_the_version_the_rollout_holds(ray_cluster):
+    s = lab.session(dag(weight_mib=2.0), world_size=4, mode="coordinator", schedule="one_step_off")
+    try:
+        m = s.run(6, progress=False)
+        spans = s.spans
+    finally:
+        s.close()
+    published = dict(zip(m["schedule/policy_version"], m["schedule/published_checksum"]))
+    pulled = m[m["schedule/rollout_version"] >= 1]
+    assert len(pulled) >= 4
+    for v, checksum in zip(pulled["schedule/rollout_version"], pulled["schedule/rollout_checksum"]):
+        assert checksum == pytest.approx(published[v]), v  # the rollout holds what was published as v
+    sync = spans[spans.phase == "weight_sync"]
+    assert set(sync.worker) == {0, 1, 2, 3}  # both training ranks export (a collective), both rollout ranks pull
+    moved = sync[sync.bytes > 0]
+    assert set(moved.worker) == {0, 1, 2} and (moved.bytes == 2 * 2**20).all()  # one rank publishes 2 MiB
+
+
+def test_every_sample_is_trained_once_or_dropped_and_counted(ray_cluster):
+    """k=0 with partial rollouts: sequences still decoding when the policy moves on are too stale;
+    whole batches that carry such tokens are dropped at the gate, and counted."""
+    s = lab.session(dag(), world_size=4, mode="coordinator", schedule="async", max_staleness=0,
+                    partial_rollout=True)
+    try:
+        m = s.run(6, progress=False)
+        ledger = s.ledger()
+    finally:
+        s.close()
+    moved = ledger[ledger["edge"] == "advantage->old_log_prob"]
+    assert (moved["items_in"] == moved["items_out"] + moved["items_dropped"]).all()  # nothing lost
+    assert ((moved["items_out"] == 0) | (moved["items_dropped"] == 0)).all()  # never both
+    assert moved["items_out"].sum() == 6 * 32  # six updates of 32 rows
+    dropped = m["rollout/stale_dropped"].sum() if "rollout/stale_dropped" in m else 0
+    assert dropped + moved["items_dropped"].sum() > 0  # the partial rollouts did go stale, and were counted
+
+
+def test_schedule_errors_name_the_schedule_and_the_mode(ray_cluster):
+    with pytest.raises(ConfigError, match=r"schedule 'async' needs the coordinator or distributed data plane; "
+                                          r"mode 'centralized'"):
+        lab.session(dag(), world_size=4, mode="centralized", schedule="async")
+    with pytest.raises(ConfigError, match=r"schedule 'one_step_off' needs a DAG on two worker groups"):
+        lab.session(lab.synthetic_grpo(batch_size=8), world_size=4, schedule="one_step_off")
+    with pytest.raises(ConfigError, match=r"max_staleness has no meaning for schedule 'one_step_off'"):
+        lab.session(dag(), world_size=4, schedule="one_step_off", max_staleness=3)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_rollout_worker_is_a_named_error_and_nothing_hangs(ray_cluster):
+    s = lab.session(dag(), world_size=4, mode="distributed", schedule="async", max_staleness=2)
+    try:
+        s.run(2, progress=False)
+        faults.inject(s, "worker", 1, step=4, stage="rollout")
+        t0 = time.monotonic()
+        with pytest.raises(WorkerLost, match=r"worker 1 died"):
+            s.run(6, progress=False)
+        assert time.monotonic() - t0 < 60  # detected, not waited out
+        with pytest.raises(SessionBroken, match="resume"):
+            s.step()
+    finally:
+        s.close()
+
+
+def test_one_step_off_learns_the_arithmetic_task(ray_cluster, tmp_path_factory):
+    d = tmp_path_factory.mktemp("schedules")
+    cfg = load_run_config("tiny-cpu-grpo", [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data",
+                                            "groups={rollout: 1, train: 1}", "schedule.kind=one_step_off",
+                                            "mode=coordinator", "trainer.steps=100"])
+    m = train(cfg, out=d / "out", progress=False, echo=False)
+    reward = m["reward/mean"]
+    assert reward[-20:].mean() >= reward[:20].mean() + 0.05, (reward[:20].mean(), reward[-20:].mean())
+    assert (m["schedule/staleness"].iloc[2:] == 1).all()  # one step off, every step after the first
