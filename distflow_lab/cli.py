@@ -78,12 +78,15 @@ def cmd_run(a: argparse.Namespace) -> int:
     from distflow_lab.algos.registry import with_defaults
     from distflow_lab.core.config import parse_run_config
 
+    from distflow_lab.api.run_dirs import run_dir
+    from distflow_lab.datasets.schema import read_table, validate_table
+
     overrides = list(a.overrides) + ([f"mode={a.mode}"] if a.mode else [])
     cfg = with_defaults(parse_run_config(a.config, overrides))
-    from distflow_lab.api.runner import run_dir  # the heavy part: torch, Ray, transformers
-
     run_dir(cfg, a.out, a.overwrite, a.resume)  # refuse to replace a run before anything starts
-    from distflow_lab.api.runner import train
+    if cfg.data.train not in ("arithmetic", "gsm8k"):  # a given file: check it now, not after the imports
+        validate_table(read_table(cfg.data.train), cfg.data.train)
+    from distflow_lab.api.runner import train  # the heavy part: torch, Ray, transformers
 
     train(cfg, a.steps, a.out, overwrite=a.overwrite, resume=a.resume)
     return 0
@@ -228,7 +231,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--modes", type=modes_list(MODES), default=MODES)
     co = bsub.add_parser("coordinator", help="the coordinator actor alone: metadata handling per step")
     co.add_argument("--sizes", type=int_list, default=[8, 16, 32, 64], help="producers = consumers")
-    co.add_argument("--items", type=positive, default=64, help="items per producer")
+    co.add_argument("--items", type=int_list, default=[16, 64], help="items per producer (two or more: see sim)")
     co.add_argument("--steps", type=positive, default=20)
     cl = bsub.add_parser("cli-latency", help="seconds per bad-input CLI call (README's table; target < 1 s)")
     cl.add_argument("--repeats", type=positive, default=5)

@@ -16,7 +16,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("BROWSER_PATH", "/usr/bin/chromium")  # kaleido's Chromium
 
 import distflow_lab as lab  # noqa: E402
-from distflow_lab import ablation  # noqa: E402
+from distflow_lab.experiments import ablation  # noqa: E402
 from distflow_lab.observe.curves import ablation_figure  # noqa: E402
 from distflow_lab.observe.dag_figure import dag_figure  # noqa: E402
 

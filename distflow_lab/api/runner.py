@@ -26,10 +26,10 @@ from distflow_lab.graph.dag import DAG
 from distflow_lab.models.model_dir import ensure_tiny_model, has_model
 from distflow_lab.observe.report import write_report
 from distflow_lab.observe.trace import to_chrome_trace
-from distflow_lab.runtime.controller import latest_checkpoint
+from distflow_lab.api.run_dirs import run_dir
+from distflow_lab.runtime.checkpoint_files import latest_checkpoint
 
 ENGINES = "distflow_lab.algos.engine_setup:setup_engines"
-OUTPUT_FILES = ("metrics.parquet", "spans.parquet", "trace.json", "report.html", "checkpoints")
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -93,27 +93,6 @@ def open_session(cfg: RunConfig, progress: bool = True, dag: DAG | None = None) 
     """Prepare data and model, then start the workers (engines built on each)."""
     cfg, data_path = prepare(cfg, progress)
     return Session(dag or build_dag(cfg, data_path), cfg, engines=ENGINES)
-
-
-def run_dir(cfg: RunConfig, out: str | Path | None = None, overwrite: bool = False, resume: bool = False) -> Path:
-    """Where this run writes (see the module docstring)."""
-    if out is not None:
-        out = Path(out)
-        held = [f for f in OUTPUT_FILES if (out / f).exists()]
-        if held and not (overwrite or resume):
-            raise ConfigError(f"{out} already holds a run ({', '.join(held)}); pass --overwrite to replace it, "
-                              "--resume to continue it, or choose another --out")
-        if resume and latest_checkpoint(out / "checkpoints") is None:
-            raise ConfigError(f"no complete checkpoint under {out / 'checkpoints'} to resume from")
-        return out
-    base = Path(cfg.trainer.out_dir or Path("runs") / cfg.name)
-    runs = sorted(base.glob("run-[0-9][0-9][0-9]"))
-    if resume:
-        with_ckpt = [r for r in runs if latest_checkpoint(r / "checkpoints") is not None]
-        if not with_ckpt:
-            raise ConfigError(f"no run with a checkpoint under {base} to resume from")
-        return with_ckpt[-1]
-    return base / f"run-{int(runs[-1].name[4:]) + 1 if runs else 1:03d}"
 
 
 def write_outputs(session: Session, out: str | Path) -> dict[str, Path]:

@@ -427,7 +427,7 @@ class TrainerOptions(Strict):
     steps: int = Field(default=20, ge=1)
     """RL steps to run."""
     out_dir: str | None = None
-    """Where metrics, spans, trace, report and checkpoints go (None: runs/<config name>/<timestamp>)."""
+    """Where metrics, spans, trace, report and checkpoints go: a new runs/<config name>/run-NNN under it (None: under runs/<config name>)."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every this many steps (0: only when asked)."""
 

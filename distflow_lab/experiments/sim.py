@@ -160,8 +160,12 @@ def fit_coordinator(records: list[dict] | pd.DataFrame, base: Calibration | None
     actor's busy seconds per step on (calls, items), both clipped at 0."""
     df = pd.DataFrame(records)
     x = np.c_[df["producers"] + df["consumers"], df["items"]].astype(float)
+    if np.linalg.matrix_rank(x) < 2:
+        raise ValueError("fit_coordinator needs records where calls and items do not grow together: measure at "
+                         "two or more items-per-producer (bench coordinator --items), not one")
     coef, *_ = np.linalg.lstsq(x, df["busy_ms_median"].to_numpy(float) / 1e3, rcond=None)
-    cal = replace(base or Calibration(), sources=dict((base or Calibration()).sources), measured={})
+    base = base or Calibration()
+    cal = replace(base, sources=dict(base.sources), measured=dict(base.measured))
     cal.o_coord, cal.o_route = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
     tag = f"fit: bench coordinator, {len(df)} sizes ({int(df['producers'].min())}..{int(df['producers'].max())})"
     cal.sources.update(o_coord=tag, o_route=tag)

@@ -103,5 +103,6 @@ def local_context(plan: "Plan", stage: str, step: int = 0, dp_rank: int = 0, see
     """A context for calling a stage function by hand, outside Ray (tests, notebooks):
     `fn(batch, local_context(dag.plan(4), "advantage"))`."""
     st = plan.stage(stage)
-    return stage_context(st, step=step, worker=dp_rank * st.group_size, world_size=plan.world_size,
-                         session_seed=seed, dp_rank=dp_rank, config=config, engines=dict(engines or {}))
+    return stage_context(st, step=step, worker=st.worker_of(dp_rank), world_size=plan.world_size,
+                         session_seed=seed, dp_rank=dp_rank, config=config, engines=dict(engines or {}),
+                         roles=frozenset(s.role for s in plan.stages))  # by hand: every role's engines

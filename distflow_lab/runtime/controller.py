@@ -18,7 +18,6 @@ test can show which modes move payloads through it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -43,6 +42,7 @@ from distflow_lab.dataplane.interface import DataPlane, PlaneSetup, Routing
 from distflow_lab.datasets.loader import check_data_node
 from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.planner import Plan, Stage
+from distflow_lab.runtime.checkpoint_files import verify_checkpoint, write_manifest
 from distflow_lab.runtime.context import stage_context
 from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
@@ -525,46 +525,3 @@ class Controller:
         self._current, self.next_stage, self.broken = [], 0, None
         self._start()
         return self.load_checkpoint(ckpt)
-
-
-# ---- checkpoint files ----------------------------------------------------------------------
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_manifest(directory: Path) -> None:
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != "manifest.json")
-    manifest = {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    (directory / "manifest.json").write_text(json.dumps({"files": manifest}, indent=1))
-
-
-def verify_checkpoint(directory: Path) -> None:
-    """A complete checkpoint: state.json and every file of manifest.json, with its checksum."""
-    if not (directory / "state.json").is_file():
-        raise CheckpointError(f"{directory} is not a distflow_lab checkpoint (no state.json)")
-    if not (directory / "manifest.json").is_file():
-        raise CheckpointError(f"{directory} is incomplete: no manifest.json (its write did not finish)")
-    files = json.loads((directory / "manifest.json").read_text())["files"]
-    for name, meta in files.items():
-        p = directory / name
-        if not p.is_file():
-            raise CheckpointError(f"checkpoint {directory} is missing {name}")
-        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
-            raise CheckpointError(f"checkpoint {directory}: {name} does not match its checksum (corrupt)")
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root` (folders step*), skipping broken ones."""
-    for d in sorted(Path(root).glob("step*"), reverse=True):
-        try:
-            verify_checkpoint(d)
-            return d
-        except CheckpointError:
-            continue
-    return None

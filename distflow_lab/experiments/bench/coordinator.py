@@ -9,7 +9,7 @@ wall time seen by the caller (every call's round trip included) and the
 actor's own busy time (its handlers, routing included, waits excluded), median
 and spread over `steps` steps.
 
-    distflow-lab bench coordinator --sizes 8,16,32,64 --items 64 --steps 20
+    distflow-lab bench coordinator --sizes 8,16,32,64 --items 16,64 --steps 20
 """
 from __future__ import annotations
 
@@ -56,9 +56,12 @@ def measure(producers: int, consumers: int, items: int, steps: int, seed: int = 
             "busy_ms_median": b["median"], "busy_ms_min": b["min"], "busy_ms_max": b["max"], "steps": steps}
 
 
-def run(sizes: list[int], items: int = 64, steps: int = 20, json_path: str | None = None) -> list[dict]:
+def run(sizes: list[int], items: list[int] | int = (16, 64), steps: int = 20, json_path: str | None = None) -> list[dict]:
+    """Every size at every items-per-producer (two or more let `sim.fit_coordinator` tell the
+    per-call cost from the per-item routing cost)."""
     connect()
-    records = [measure(n, n, items, steps) for n in tqdm(sizes, desc="coordinator sizes")]
+    counts = [items] if isinstance(items, int) else list(items)
+    records = [measure(n, n, i, steps) for n in tqdm(sizes, desc="coordinator sizes") for i in counts]
     print_table(records, ["producers", "consumers", "items", "calls_per_step", "wall_ms_median", "wall_ms_min",
                           "wall_ms_max", "busy_ms_median", "busy_ms_max"],
                 title=f"coordinator actor alone: metadata handling per step (median/min/max of {steps} steps)")

@@ -40,7 +40,8 @@ def measure_scaling(workers=(1, 2, 4, 8), contexts=(1024,), nodes: int = 2, batc
                     else:
                         s.reopen(mode=m, dag=dag)
                     pool[w] = s
-                    reps, sp = s.run(repeats + 1, progress=False)[1:], s.spans  # drop the warm-up step
+                    s.run(repeats + 1, progress=False)
+                    reps, sp = list(s.history)[-repeats:], s.spans  # drop the warm-up step
                     row.update(spans=sp[sp.step.isin([x.step for x in reps])].reset_index(drop=True),
                                walls=[x.wall_seconds for x in reps])
                 rows.append(row)
