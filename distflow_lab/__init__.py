@@ -36,6 +36,7 @@ _EXPORTS = {
     "WorkerLost": "distflow_lab.core.errors", "StageTimeout": "distflow_lab.core.errors",
     "BufferLost": "distflow_lab.core.errors", "CoordinatorLost": "distflow_lab.core.errors",
     "StageContractError": "distflow_lab.core.errors",
+    "replay": "distflow_lab.experiments.replay", "replay_accuracy": "distflow_lab.experiments.replay",
 }
 
 

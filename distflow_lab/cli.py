@@ -120,11 +120,23 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         serialization.run(a.mib, a.repeats, a.json)
     elif a.which == "memory":
-        check_bench_shape([a.workers], a.batch, 4, 2)
+        for b in a.sweep_batch or [a.batch]:
+            check_bench_shape([a.workers], b, 4, 2)
         fresh_file(a.html, a.overwrite, "--html")
         from distflow_lab.experiments.bench import memory
 
-        memory.report(a.steps, a.mode, a.batch, a.context, a.workers, a.every, a.json, a.html)
+        if a.sweep_batch:
+            df = memory.sweep_batch(a.sweep_batch, a.modes, a.context, a.workers, steps=3, json_path=a.json)
+            if a.html:
+                from distflow_lab.observe.curves import driver_memory_figure
+
+                driver_memory_figure(df).write_html(a.html, include_plotlyjs="inline")
+        else:
+            memory.report(a.steps, a.mode, a.batch, a.context, a.workers, a.every, a.json, a.html)
+    elif a.which == "async":
+        from distflow_lab.experiments.bench import async_schedules
+
+        async_schedules.run(a.steps, a.warmup, a.modes, a.workers, a.decode_us, a.json)
     elif a.which == "coordinator":
         from distflow_lab.experiments.bench import coordinator
 
@@ -221,6 +233,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--workers", type=positive, default=4)
     m.add_argument("--every", type=positive, default=5)
     m.add_argument("--html")
+    m.add_argument("--sweep-batch", type=int_list, default=None,
+                   help="responses per step to sweep (e.g. 16,64,256): bytes through the driver and its peak RSS "
+                        "for every data plane, instead of the long run")
+    m.add_argument("--modes", type=modes_list(MODES), default=MODES)
     e = bsub.add_parser("e2e", help="real GRPO tokens/s in every mode")
     e.add_argument("--context", type=int_list, default=[32, 1024],
                    help="prompt + response tokens; <= 64 uses the arithmetic task, longer uses GSM8K prompts")
@@ -229,13 +245,19 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=positive, default=4, help="responses per prompt")
     e.add_argument("--steps", type=positive, default=4, help="measured steps per mode (after one warm-up step)")
     e.add_argument("--modes", type=modes_list(MODES), default=MODES)
+    asy = bsub.add_parser("async", help="sync vs one-step-off vs async on a long-tail workload, against the ideal")
+    asy.add_argument("--steps", type=positive, default=12, help="measured training updates per schedule")
+    asy.add_argument("--warmup", type=positive, default=3)
+    asy.add_argument("--modes", type=modes_list(("coordinator", "distributed")), default=("coordinator",))
+    asy.add_argument("--workers", type=positive, default=4, help="half generate, half train")
+    asy.add_argument("--decode-us", type=float, default=1000.0, help="simulated seconds per decode iteration, in us")
     co = bsub.add_parser("coordinator", help="the coordinator actor alone: metadata handling per step")
     co.add_argument("--sizes", type=int_list, default=[8, 16, 32, 64], help="producers = consumers")
     co.add_argument("--items", type=int_list, default=[16, 64], help="items per producer (two or more: see sim)")
     co.add_argument("--steps", type=positive, default=20)
     cl = bsub.add_parser("cli-latency", help="seconds per bad-input CLI call (README's table; target < 1 s)")
     cl.add_argument("--repeats", type=positive, default=5)
-    for p in (d, bl, s, m, e, co, cl):
+    for p in (d, bl, s, m, e, co, cl, asy):
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Set up everything on a fresh machine: a venv in the repo with the pinned CPU
 # torch installed FIRST (so nothing later pulls a multi-GB CUDA build), then
-# distflow_lab and its dev tools at the versions in requirements/constraints.txt.
+# distflow_lab with its dev tools, the experiment trackers and the benchmark peers
+# at the versions in requirements/constraints.txt, and verl itself without its
+# pinned dependencies (they would replace the CPU torch): the peer column of the
+# data-plane benchmark and of the balance and reward-parity tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,11 +12,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # Reinstall when the declared dependencies changed since the last install (or on request).
-stamp=$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -c1-16)
+stamp=$(cat pyproject.toml requirements/constraints.txt scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat .venv/.distflow-installed 2>/dev/null)" != "$stamp" ] || [ "${DISTFLOW_REINSTALL:-0}" = 1 ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev]" -c requirements/constraints.txt
+  .venv/bin/python -m pip install -q -e ".[dev,trackers,bench]" -c requirements/constraints.txt
+  .venv/bin/python -m pip install -q --no-deps "verl==0.7.1"
   echo "$stamp" > .venv/.distflow-installed
 fi
 .venv/bin/python -c "import torch, ray, transformers; print(f'torch {torch.__version__}, ray {ray.__version__}, transformers {transformers.__version__}')"

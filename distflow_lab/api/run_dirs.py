@@ -11,7 +11,7 @@ from pathlib import Path
 from distflow_lab.core.config import ConfigError, RunConfig
 from distflow_lab.runtime.checkpoint_files import latest_checkpoint
 
-OUTPUT_FILES = ("metrics.parquet", "spans.parquet", "trace.json", "report.html", "checkpoints")
+OUTPUT_FILES = ("metrics.parquet", "spans.parquet", "items.parquet", "trace.json", "report.html", "checkpoints")
 
 
 def run_dir(cfg: RunConfig, out: str | Path | None = None, overwrite: bool = False, resume: bool = False) -> Path:

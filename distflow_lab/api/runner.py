@@ -9,6 +9,7 @@ silently replaces an earlier run's outputs.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from distflow_lab.graph.dag import DAG
 from distflow_lab.models.model_dir import ensure_tiny_model, has_model
 from distflow_lab.observe.report import write_report
 from distflow_lab.observe.trace import to_chrome_trace
+from distflow_lab.observe.trackers import close_all, log_step, make_loggers
 from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.runtime.checkpoint_files import latest_checkpoint
 
@@ -99,11 +101,13 @@ def write_outputs(session: Session, out: str | Path) -> dict[str, Path]:
     """metrics.parquet, spans.parquet, trace.json (Perfetto) and report.html."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"metrics": out / "metrics.parquet", "spans": out / "spans.parquet", "trace": out / "trace.json"}
+    paths = {"metrics": out / "metrics.parquet", "spans": out / "spans.parquet", "items": out / "items.parquet",
+             "trace": out / "trace.json"}
     session.metrics.to_parquet(paths["metrics"])
-    spans = session.spans
+    spans, items = session.spans, session.items()
     spans.assign(cache_hit=spans["cache_hit"].astype("boolean")).to_parquet(paths["spans"])
-    to_chrome_trace(spans, paths["trace"])
+    items.to_parquet(paths["items"])  # lab.replay(run_dir) reads it
+    to_chrome_trace(spans, paths["trace"], items=items)
     paths["report"] = write_report(session, out / "report.html")
     return paths
 
@@ -116,7 +120,11 @@ def train(cfg: RunConfig, steps: int | None = None, out: str | Path | None = Non
     if steps < 1:
         raise ConfigError(f"steps must be at least 1, got {steps}")
     out = run_dir(cfg, out, overwrite, resume)
-    with open_session(cfg, progress) as s:
+    if cfg.trainer.profile is not None and not Path(cfg.trainer.profile.directory).is_absolute():
+        profile = cfg.trainer.profile.model_copy(update={"directory": str(out.resolve() / cfg.trainer.profile.directory)})
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"profile": profile})})
+    loggers = make_loggers(cfg.trainer.loggers, out, cfg.model_dump(mode="json"))  # a missing package fails here
+    with open_session(cfg, progress) as s, closing_all(loggers):
         start = 0
         if resume:
             ckpt = latest_checkpoint(out / "checkpoints")
@@ -128,6 +136,7 @@ def train(cfg: RunConfig, steps: int | None = None, out: str | Path | None = Non
         warned = False
         for _ in range(start, steps):
             rep = s.step()
+            log_step(loggers, rep)
             m = rep.metrics
             if echo and m.get("rollout/prompts_truncated", 0) > 0 and not warned:
                 warned = True
@@ -143,3 +152,11 @@ def train(cfg: RunConfig, steps: int | None = None, out: str | Path | None = Non
         if echo:
             print("wrote " + ", ".join(str(p) for p in paths.values()))
         return s.metrics
+
+
+@contextlib.contextmanager
+def closing_all(loggers: list):
+    try:
+        yield loggers
+    finally:
+        close_all(loggers)

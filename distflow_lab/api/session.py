@@ -23,8 +23,8 @@ import pandas as pd
 
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import (SWITCHES_BY_MODE, Balance, ClusterOptions, ConfigError, RunConfig,
-                                      ScheduleOptions, SessionConfig, Switches, check_schedule, check_switches,
-                                      load_model)
+                                      ProfileOptions, ScheduleOptions, SessionConfig, Switches, check_schedule,
+                                      check_switches, load_model)
 from distflow_lab.dataplane.centralized import CentralizedPlane
 from distflow_lab.dataplane.coordinator import CoordinatorPlane
 from distflow_lab.dataplane.distributed import DistributedPlane
@@ -54,7 +54,9 @@ def session_config(base: SessionConfig | dict | None = None, *,
                    # schedule
                    schedule: Literal["sync", "one_step_off", "async"] | None = None,
                    max_staleness: int | None = None, partial_rollout: bool | None = None,
-                   on_stale: Literal["drop", "regenerate"] | None = None) -> SessionConfig:
+                   on_stale: Literal["drop", "regenerate"] | None = None,
+                   # observation
+                   profile: ProfileOptions | dict | list[str] | None = None) -> SessionConfig:
     """`base` with the given options changed (None: unchanged); checked as a whole,
     including that every switch set means something in the mode."""
     base = base if isinstance(base, SessionConfig) else load_model(SessionConfig, dict(base or {}))
@@ -70,8 +72,10 @@ def session_config(base: SessionConfig | dict | None = None, *,
         kind=schedule, max_staleness=max_staleness, partial_rollout=partial_rollout, on_stale=on_stale)}
     if schedule is not None and schedule != base.schedule.kind:  # a new schedule starts from its own defaults
         sched = given(kind=schedule, max_staleness=max_staleness, partial_rollout=partial_rollout, on_stale=on_stale)
+    if isinstance(profile, list):
+        profile = {"stages": profile}
     top = {**base.model_dump(exclude={"algo", "cluster", "switches", "schedule"}),
-           **given(mode=mode, seed=seed, keep_outputs=keep_outputs, history_steps=history_steps)}
+           **given(mode=mode, seed=seed, keep_outputs=keep_outputs, history_steps=history_steps, profile=profile)}
     cfg = SessionConfig(**{**top, "cluster": load_model(ClusterOptions, cluster, "cluster options"),
                            "switches": load_model(Switches, switches, "switches"),
                            "schedule": load_model(ScheduleOptions, sched, "schedule")}, algo=base.algo)
@@ -81,6 +85,12 @@ def session_config(base: SessionConfig | dict | None = None, *,
 
 
 OPTIONS = [p for p in inspect.signature(session_config).parameters if p != "base"]
+
+
+def check_profile(config: SessionConfig, dag: DAG) -> None:
+    unknown = [s for s in (config.profile.stages if config.profile else []) if s not in dag.ids]
+    if unknown:
+        raise ConfigError(f"profile: no stage {unknown[0]!r} in DAG {dag.name!r}; stages: {dag.ids}")
 
 
 def routing_for(config: SessionConfig) -> Routing:
@@ -115,6 +125,7 @@ class Session:
             config = config.session_config()
         self.dag, self._engines = dag, engines
         self._config = _configure(config, options)
+        check_profile(self._config, dag)
         self.controller = Controller(dag, self._config, PLANES[self._config.mode](), engines,
                                      routing=routing_for(self._config))
         self.previous: dict[str, pd.DataFrame] = {}  # spans of earlier modes (reopen), for side-by-side figures
@@ -276,6 +287,56 @@ class Session:
 
         return metric_curves(self.metrics, columns)
 
+    def bubbles(self, skip: int = 0):
+        """Idle time by cause per worker and step (compute, imbalance, rollout_tail, data_plane,
+        control, weight_sync, staleness), summing to each step's wall: a `Bubbles` (.table,
+        .summary, .figure; `table, fig = s.bubbles()` unpacks). `skip`: warm-up steps left out."""
+        from distflow_lab.observe.bubbles import bubbles
+
+        spans = self.spans
+        if skip and len(spans):
+            spans = spans[spans["step"] >= spans["step"].min() + skip]
+        m = self.metrics
+        walls = m.set_index("step")["wall_s"] if len(m) and "wall_s" in m else None
+        return bubbles(spans, {st.id: st.type for st in self.plan.stages}, walls,
+                       title=f"{self.mode}: idle time by cause (mean seconds per step)")
+
+    def lineage(self, item: int | str) -> pd.DataFrame:
+        """The path of one item (its `item_id`, or every item of a `uid` prompt): stage, worker,
+        node, how it arrived (local cache, buffer, coordinator, driver), its bytes and policy version."""
+        items = self.items()
+        if isinstance(item, str):
+            ids = set()
+            for st in self.plan.stages:  # the uid column lives on the batches; its rows' ids on the workers
+                for w in st.ranks:
+                    if st.group_rank(w) != 0:
+                        continue
+                    try:
+                        b = self.output(st.id, worker=w)
+                    except KeyError:
+                        continue
+                    if "uid" in b and "item_id" in b:
+                        ids |= {int(i) for u, i in zip(b["uid"].tolist(), b["item_id"].tolist()) if str(u) == item}
+            rows = items[items["item_id"].isin(ids)]
+        else:
+            rows = items[items["item_id"] == item]
+        if not len(rows):
+            raise KeyError(f"no recorded item {item!r} (run a step first; a uid needs keep_outputs)")
+        nodes = dict(enumerate(self.controller.placement.worker_nodes)) if self.controller.placement else {}
+        spans = self.spans
+        per_item = (spans[spans.phase.isin(["get", "dispatch", "cache_hit"])]
+                    .groupby(["step", "stage", "worker"])[["bytes", "items"]].sum())
+        out = rows.assign(node=rows["worker"].map(lambda w: str(nodes.get(w, "?"))[:8]))
+        hop = {"cache": "local cache", "buffer": "DataBuffer", "coordinator": "coordinator", "driver": "driver",
+               "loader": "loader", "none": "-"}
+        out = out.assign(hop=out["route_in"].map(hop))
+        key = list(zip(out["step"], out["stage"], out["worker"]))
+        moved = per_item.reindex(key)
+        out = out.assign(bytes=(moved["bytes"] / moved["items"].clip(lower=1)).fillna(0).astype(int).to_numpy())
+        return out.sort_values(["item_id", "step", "stage_index"])[
+            ["item_id", "step", "update", "stage", "worker", "node", "hop", "bytes", "tokens", "version"]
+        ].reset_index(drop=True)
+
     def staleness(self):
         """Per training update: the trained samples by how many policy versions they lagged."""
         from distflow_lab.observe.schedule_figures import staleness_figure
@@ -297,10 +358,11 @@ class Session:
 
     # ---- export -------------------------------------------------------------------------------
     def trace(self, path: str | Path) -> Path:
-        """Chrome trace JSON of all spans (open it in https://ui.perfetto.dev)."""
+        """Chrome trace JSON of all spans, data-plane counter tracks and lineage flows (open it in
+        https://ui.perfetto.dev; merge with ray.timeline() via observe.trace.merge_with_ray_timeline)."""
         from distflow_lab.observe.trace import to_chrome_trace
 
-        to_chrome_trace(self.spans, path)
+        to_chrome_trace(self.spans, path, items=self.items())
         return Path(path)
 
     def report(self, path: str | Path) -> Path:

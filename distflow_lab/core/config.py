@@ -142,6 +142,17 @@ class ScheduleOptions(Strict):
         return {"sync": 0, "one_step_off": 1}.get(self.kind, self.max_staleness)
 
 
+class ProfileOptions(Strict):
+    """torch.profiler traces of chosen stages and steps (one file per rank per stage per step)."""
+
+    stages: list[str] = Field(default_factory=list)
+    """Stages to profile (empty: every stage)."""
+    steps: list[int] | None = None
+    """Steps to profile (None: every step)."""
+    directory: str = "profiles"
+    """Where the traces go (relative: under the working directory, or the run's folder for `distflow-lab run`)."""
+
+
 def check_schedule(mode: str, schedule: ScheduleOptions) -> None:
     """The centralized plane moves every batch through the driver stage by stage: it cannot overlap steps."""
     if schedule.kind != "sync" and mode == "centralized":
@@ -162,6 +173,8 @@ class SessionConfig(Strict):
     """Data-plane switches (ablations)."""
     schedule: ScheduleOptions = Field(default_factory=ScheduleOptions)
     """sync, one_step_off or async (the last two need a DAG with worker groups)."""
+    profile: ProfileOptions | None = None
+    """torch.profiler traces of chosen stages and steps (None: no profiling)."""
     keep_outputs: bool = True
     """Keep each stage's latest output on the workers so `peek` can show samples."""
     history_steps: int = Field(default=1000, ge=1)
@@ -430,6 +443,10 @@ class TrainerOptions(Strict):
     """Where metrics, spans, trace, report and checkpoints go: a new runs/<config name>/run-NNN under it (None: under runs/<config name>)."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every this many steps (0: only when asked)."""
+    loggers: list[Literal["console", "tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
+    """Experiment trackers that log every step's metrics (pip install 'distflow_lab[trackers]'; W&B runs offline)."""
+    profile: ProfileOptions | None = None
+    """torch.profiler traces of chosen stages and steps, under the run's folder (profiles/)."""
 
 
 class RunConfig(Strict):
@@ -468,7 +485,7 @@ class RunConfig(Strict):
 
     def session_config(self) -> SessionConfig:
         return SessionConfig(mode=self.mode, seed=self.seed, cluster=self.cluster, switches=self.switches,
-                             schedule=self.schedule, algo=self)
+                             schedule=self.schedule, profile=self.trainer.profile, algo=self)
 
     def check_sizes(self) -> None:
         """Impossible sizes fail here, before any worker starts."""

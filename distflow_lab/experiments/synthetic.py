@@ -139,6 +139,7 @@ class StreamingDecoder:
         done, self.finished = self.finished, []
         version = policy(ctx).version
         self._age_out(version, ctx)  # sequences carried over from before this call's policy pull
+        until_refresh = refresh_every
         while len(done) < rows:
             while len(self.active) < slots and self.waiting:
                 pl, rl, u = self.waiting.pop(0)
@@ -146,15 +147,17 @@ class StreamingDecoder:
             if not self.active:
                 break
             left = min(s["len"] - len(s["versions"]) for s in self.active)  # iterations to the next finish
-            step = max(1, min(left, refresh_every))
+            step = max(1, min(left, until_refresh))
             time.sleep(step * decode_us * 1e-6)
             for s in self.active:
                 s["versions"] += [version] * min(step, s["len"] - len(s["versions"]))
             done += [s for s in self.active if len(s["versions"]) >= s["len"]]
             self.active = [s for s in self.active if len(s["versions"]) < s["len"]]
-            if ctx.refresh_policy is not None:
+            until_refresh -= step
+            if until_refresh <= 0 and ctx.refresh_policy is not None:
                 version = ctx.refresh_policy()  # a new policy from here on, for tokens in flight too
                 self._age_out(version, ctx)
+                until_refresh = refresh_every
         done, self.finished = done[:rows], done[rows:]
         return done
 

@@ -44,6 +44,7 @@ from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.planner import Plan, Stage
 from distflow_lab.runtime.checkpoint_files import verify_checkpoint, write_manifest
 from distflow_lab.runtime.context import stage_context
+from distflow_lab.runtime.profiling import ProfileSpec
 from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
 from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
@@ -106,8 +107,10 @@ class Controller:
             threads = c.threads_per_worker or default_threads(c.world_size)
             if self.plan.groups:  # generation and training on disjoint workers: weights travel between them
                 self.board = WeightBoard.remote()
+            p = self.config.profile
+            profile = ProfileSpec(p.stages, p.steps, p.directory) if p is not None else None  # absolute here
             setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.session_id, self.config.algo,
-                                self.engines, self.config.keep_outputs, threads, board=self.board,
+                                self.engines, self.config.keep_outputs, threads, profile=profile, board=self.board,
                                 schedule=self.config.schedule)
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
