@@ -130,15 +130,30 @@ class StreamingDecoder:
         self.waiting: list[tuple[int, int, str]] = []  # (prompt_len, response_len, uid)
         self.active: list[dict] = []
         self.finished: list[dict] = []  # done beyond what the last call returned: the next call's first rows
+        self.paused: tuple[float, int] | None = None  # (when the last call returned, the version it held)
+
+    def _between_calls(self, decode_us: float) -> None:
+        """The engine is a server: between two calls (the schedule holds generation back) the
+        sequences already admitted keep decoding, with the policy the last call held; no new
+        prompt is admitted. Simulated from the wall time that passed, at no cost to this call."""
+        if self.paused is None or not self.active:
+            return
+        since, version = self.paused
+        iters = int((time.monotonic() - since) / (decode_us * 1e-6))
+        for s in sorted(self.active, key=lambda s: s["len"] - len(s["versions"])):  # in the order they finish
+            s["versions"] += [version] * min(iters, s["len"] - len(s["versions"]))
+        self.finished += [s for s in self.active if len(s["versions"]) >= s["len"]]
+        self.active = [s for s in self.active if len(s["versions"]) < s["len"]]
 
     def add(self, prompt_len: torch.Tensor, resp_len: torch.Tensor, uid: np.ndarray) -> None:
         self.waiting += list(zip(prompt_len.tolist(), resp_len.tolist(), uid.tolist()))
 
     def run(self, rows: int, slots: int, decode_us: float, refresh_every: int, ctx: StageContext) -> list[dict]:
         """Decode until `rows` sequences have finished; return them (oldest first)."""
-        done, self.finished = self.finished, []
+        self._between_calls(decode_us)
         version = policy(ctx).version
-        self._age_out(version, ctx)  # sequences carried over from before this call's policy pull
+        done, self.finished = self._age_out(self.finished, version, ctx), []  # carried over from the last call
+        self.active = self._age_out(self.active, version, ctx)
         until_refresh = refresh_every
         while len(done) < rows:
             while len(self.active) < slots and self.waiting:
@@ -156,25 +171,29 @@ class StreamingDecoder:
             until_refresh -= step
             if until_refresh <= 0 and ctx.refresh_policy is not None:
                 version = ctx.refresh_policy()  # a new policy from here on, for tokens in flight too
-                self._age_out(version, ctx)
+                self.active = self._age_out(self.active, version, ctx)
                 until_refresh = refresh_every
         done, self.finished = done[:rows], done[rows:]
+        self.paused = (time.monotonic(), version)
         return done
 
-    def _age_out(self, version: int, ctx: StageContext) -> None:
-        """Sequences whose oldest token is already more than max_staleness versions old can
-        never be trained on: drop them, or start them again (`on_stale`), counted."""
+    def _age_out(self, seqs: list[dict], version: int, ctx: StageContext) -> list[dict]:
+        """Sequences whose oldest token will be more than max_staleness versions old when
+        this batch trains (at update `ctx.trains_by` at the latest; else the current policy
+        `version`) can never be trained on: drop them, or start them again (`on_stale`,
+        back to the waiting prompts), counted. Returns the sequences kept."""
         k, keep = ctx.schedule.max_staleness, []
-        for s in self.active:
-            if s["versions"] and version - s["versions"][0] > k:
+        trains_at = max(version, ctx.trains_by if ctx.trains_by is not None else version)
+        for s in seqs:
+            if s["versions"] and trains_at - s["versions"][0] > k:
                 if ctx.schedule.on_stale == "regenerate":
-                    s["versions"] = []
+                    self.waiting.insert(0, (s["prompt_len"], s["len"], s["uid"]))
                     ctx.count(**{"rollout/stale_regenerated": 1})
                 else:
                     ctx.count(**{"rollout/stale_dropped": 1})
-                    continue
+                continue
             keep.append(s)
-        self.active = keep
+        return keep
 
 
 def _streaming(batch: Batch, ctx: StageContext, p: SyntheticParams) -> Batch:

@@ -35,6 +35,8 @@ class StageContext:
     dp_rank: int | None = None  # default: from the stage's layout and `worker`
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)  # sync, one_step_off or async
     refresh_policy: Callable[[], int] | None = None  # partial rollouts: load the newest policy, return its version
+    trains_by: int | None = None  # async generation: the latest update this batch trains at (tokens older than
+    # trains_by - max_staleness can never train; None: synchronous)
     roles: frozenset[str] = frozenset()  # the roles of the stages this worker runs (engine set-up builds theirs)
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)

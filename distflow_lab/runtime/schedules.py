@@ -9,7 +9,8 @@ plane carries each generated batch from one to the other, keyed by its batch
 index r. The controller (`Lanes.step`) starts what may start, waits for what
 finishes, and turns every finished training segment into one StepReport:
 
-    a generation may start when at most k batches are ready or in training
+    a generation may start when at most k batches are ready or in training (at most 1
+    with partial rollouts: see below)
     training update t takes the oldest ready batch r; if t - version_min(r) > k the batch
     is too stale: dropped, and counted (the hard guarantee: no sample older than k trains)
     after each update the training group publishes the policy; a generation pulls the
@@ -17,9 +18,14 @@ finishes, and turns every finished training segment into one StepReport:
 
 Without partial rollouts the pacing alone keeps every batch within k: a batch
 generated from version v >= r - k is trained at update r. With partial rollouts a
-sequence may carry tokens from older versions; the rollout stage applies `on_stale`
-to such sequences as it decodes (drop them, or generate them again from the start,
-counted in its metrics), and the batch check above catches the rest.
+sequence may carry tokens from older versions into a later batch. Batch r trains at
+update r whatever the pacing, so every version generation runs ahead is one a carried
+sequence cannot spend: generation runs at most one batch ahead (enough to keep the
+trainer fed when generation is the faster side; when it is the slower side it never
+gets ahead anyway), and a sequence may span up to k - 1 later batches. The rollout
+stage is told the update its batch trains at (`ctx.trains_by`) and applies `on_stale`
+to sequences that would be too old by then (drop them, or generate them again from
+the start, counted in its metrics); the batch check above catches the rest.
 
 k is the staleness bound: 0 = sync order (generation of r waits for update r-1: the
 same steps, seeds and metrics as the synchronous schedule), 1 = one-step off-policy
@@ -105,6 +111,9 @@ class Lanes:
     def __init__(self, controller: "Controller", schedule: ScheduleOptions) -> None:
         self.c, self.schedule = controller, schedule
         self.k = schedule.staleness
+        # How many batches generation may run ahead. With partial rollouts one is enough to keep the trainer
+        # fed, and the rest of k is slack for sequences that continue into later batches (see the docstring).
+        self.ahead = min(self.k, 1) if schedule.partial_rollout else self.k
         self.gen_stages, self.train_stages = segments(controller)
         plan = controller.plan
         self.gen_workers = list(plan.stages[self.gen_stages[0]].ranks)
@@ -139,14 +148,19 @@ class Lanes:
                 self.train = self._start("train", r.batch, self.updates, self.train_stages, self.train_workers)
         # A generation starting now is trained after every batch ready or in training: it stays within k
         # of the trainer if there are at most k of those (a dropped batch no longer counts).
-        if self.gen is None and len(self.ready) + (self.train is not None) <= self.k:
-            self.gen = self._start("generate", self.next_batch, self.updates, self.gen_stages, self.gen_workers)
+        ahead = len(self.ready) + (self.train is not None)
+        if self.gen is None and ahead <= self.ahead:  # it trains at update `updates + ahead` at the latest
+            self.gen = self._start("generate", self.next_batch, self.updates, self.gen_stages, self.gen_workers,
+                                   trains_by=self.updates + ahead)
             self.next_batch += 1
 
-    def _start(self, kind: str, batch: int, update: int, stages: list[int], workers: list[int]) -> Lane:
+    def _start(self, kind: str, batch: int, update: int, stages: list[int], workers: list[int],
+               trains_by: int | None = None) -> Lane:
         limit = sum(self.c._timeout(self.c.plan.stages[i]) for i in stages)
-        call = "generate_segment" if kind == "generate" else "train_segment"
-        refs = [getattr(self.c.workers[w], call).remote(batch, stages) for w in workers]
+        if kind == "generate":
+            refs = [self.c.workers[w].generate_segment.remote(batch, stages, trains_by) for w in workers]
+        else:
+            refs = [self.c.workers[w].train_segment.remote(batch, stages) for w in workers]
         self.c.driver_calls += len(refs)
         now = time.monotonic()
         return Lane(kind, batch, update, refs, workers, now, now + limit)

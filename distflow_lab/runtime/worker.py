@@ -86,6 +86,7 @@ class DAGWorker:
         self.note: ProgressNote | None = None
         self._loader_at_step_start: dict | None = None
         self._version_min: int | None = None
+        self._trains_by: int | None = None  # set during a generation segment (async schedules)
 
     # ---- lifecycle ---------------------------------------------------------------
     def setup(self, s: WorkerSetup) -> dict:
@@ -180,14 +181,18 @@ class DAGWorker:
         return results
 
     # ---- weight sync between groups (see weights.py) ----------------------------------
-    def generate_segment(self, step: int, stages: list[int]) -> dict:
+    def generate_segment(self, step: int, stages: list[int], trains_by: int | None = None) -> dict:
         """A generation segment: pull the newest published policy, then run the stages.
-        Returns the results and the policy version every row of its output came from
-        (`version_min`: the oldest token's, with partial rollouts)."""
+        `trains_by` is the latest update the batch will train at (the rollout ages out
+        sequences that would be too stale by then). Returns the results and the policy
+        version every row of its output came from (`version_min`: the oldest token's)."""
         first = self.plan.stages[stages[0]]
         self.pull_weights(step, first.id)
-        self._version_min = None
-        results = self.run_segment(step, stages)
+        self._version_min, self._trains_by = None, trains_by
+        try:
+            results = self.run_segment(step, stages)
+        finally:
+            self._trains_by = None
         w = self.engines.get("weights")
         version = w.version if w is not None else 0
         return {"results": results, "version": version, "checksum": w.checksum() if w is not None else 0.0,
@@ -290,6 +295,7 @@ class DAGWorker:
                              node=self.node, config=self.s.config, engines=self.engines, loader=self.loader,
                              recorder=self.rec, groups=self.groups, schedule=self.s.schedule,
                              refresh_policy=lambda: self.pull_weights(step, st.id),
+                             trains_by=self._trains_by,
                              roles=frozenset(self.plan.stages[i].role for i in self.mine))
 
     # ---- inspection ------------------------------------------------------------------
