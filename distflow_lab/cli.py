@@ -114,7 +114,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "balance":
         from distflow_lab.experiments.bench import balance
 
-        balance.run(ks=a.ks, ns=a.ns, dists=a.dists, repeats=a.repeats, seed=a.seed, json_path=a.json)
+        balance.run(ks=a.ks, ns=a.ns, dists=a.dists, repeats=a.repeats, seed=a.seed, json_path=a.json,
+                    kk_budget_s=a.kk_budget, costs=a.costs, verl=not a.no_verl)
     elif a.which == "serialization":
         from distflow_lab.experiments.bench import serialization
 
@@ -148,6 +149,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "cli-latency":
         from distflow_lab.experiments.bench import cli_latency
         cli_latency.run(a.repeats, a.json)
+    elif a.which == "microbatch":
+        from distflow_lab.experiments.bench import microbatch
+
+        microbatch.run(rows=a.rows, fixed_rows=a.fixed_rows, budget=a.budget, repeats=a.repeats, threads=a.threads,
+                       gsm8k_dir=a.gsm8k, json_path=a.json)
     return 0
 
 
@@ -222,6 +228,10 @@ def parser() -> argparse.ArgumentParser:
     bl.add_argument("--ns", type=int_list, default=[1024, 4096, 16384, 65536])
     bl.add_argument("--dists", type=lambda s: tuple(s.split(",")), default=("lognormal", "bimodal"))
     bl.add_argument("--seed", type=int, default=0)
+    bl.add_argument("--costs", type=lambda s: tuple(s.split(",")), default=("tokens", "workload"),
+                    help="item costs to balance: tokens, workload (24576·L + L², verl's calculate_workload)")
+    bl.add_argument("--kk-budget", type=float, default=2.0, help="skip Karmarkar-Karp where predicted over this (s)")
+    bl.add_argument("--no-verl", action="store_true", help="skip verl's Karmarkar-Karp even when installed")
     s = bsub.add_parser("serialization", help="object-store round trips of a Batch vs torch pickling")
     s.add_argument("--mib", type=int_list, default=[16, 64, 256])
     s.add_argument("--repeats", type=positive, default=7)
@@ -257,7 +267,14 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--steps", type=positive, default=20)
     cl = bsub.add_parser("cli-latency", help="seconds per bad-input CLI call (README's table; target < 1 s)")
     cl.add_argument("--repeats", type=positive, default=5)
-    for p in (d, bl, s, m, e, co, cl, asy):
+    mb = bsub.add_parser("microbatch", help="token-budget micro-batches vs fixed rows: padding and step time")
+    mb.add_argument("--rows", type=positive, default=64)
+    mb.add_argument("--fixed-rows", type=positive, default=4, help="rows per micro-batch of the fixed baseline")
+    mb.add_argument("--budget", type=positive, default=None, help="tokens per micro-batch (default: as fixed)")
+    mb.add_argument("--repeats", type=positive, default=3)
+    mb.add_argument("--threads", type=positive, default=1, help="torch threads (1 on a shared CPU)")
+    mb.add_argument("--gsm8k", default=None, help="GSM8K parquet folder (default: ../shared/datasets/gsm8k)")
+    for p in (d, bl, s, m, e, co, cl, asy, mb):
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)
