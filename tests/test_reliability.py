@@ -119,7 +119,7 @@ def test_plane_actor_killed_twice_in_one_step_is_a_clear_error(ray_cluster, mode
     raw Ray error from the recovery path, and the session can go on after resume-free recovery."""
     s = lab.session(synth(), world_size=4, mode=mode)
     try:
-        s.step()
+        first = s.step()
         faults.inject(s, target, 0, step=1, stage="old_log_prob", by_worker=0)
         faults.inject(s, target, 0, step=1, stage="old_log_prob", by_worker=1, skip=1)
         with pytest.raises(error, match=message):
@@ -127,7 +127,7 @@ def test_plane_actor_killed_twice_in_one_step_is_a_clear_error(ray_cluster, mode
                 s.step()
         assert s.cursor == (1, "data")  # the failed step is not counted
         again = s.step()  # the restarted actor serves the same step again
-        assert again.step == 1 and len(again.metrics) == 3
+        assert again.step == 1 and set(again.metrics) == set(first.metrics) and again.metrics
     finally:
         s.close()
 
@@ -174,11 +174,11 @@ def test_driver_death_leaves_no_actors_and_a_new_session_starts_clean():
                 time.sleep(1)
             print("alive", len(alive))
             s = lab.session(synthetic_grpo(batch_size=8, max_prompt_len=32, max_response_len=32), world_size=2)
-            print("metrics", len(s.step().metrics))
+            print("metrics", "reward/mean" in s.step().metrics)
         """
         out = run_python(check, timeout=180, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
-        assert "alive 0" in out.stdout and "metrics 3" in out.stdout
+        assert "alive 0" in out.stdout and "metrics True" in out.stdout  # no leftovers; the new session steps
     finally:
         stop_ray_head(temp)
 

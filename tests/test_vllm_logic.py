@@ -338,7 +338,8 @@ def test_setup_engines_passes_run_settings_and_hangs_sleep_on_the_trainers(tok, 
         return VLLMRollout.attach(FAKE_VLLM, FakeLLM(), tokenizer, opts, max_prompt_len, kw["dtype"])
 
     monkeypatch.setattr(engine_setup, "make_rollout", fake_make_rollout)
-    engines = engine_setup.setup_engines(SimpleNamespace(groups={}), cfg)
+    ctx = SimpleNamespace(groups={}, roles=frozenset({"rollout", "actor", "reference"}))  # colocated: every role
+    engines = engine_setup.setup_engines(ctx, cfg)
     assert got == {"dtype": "float32", "seed": 3, "gen_model": None, "model_path": str(tmp_path / "m")}
     sleep = engines["rollout"].sleep
     assert engines["actor"].before_compute == [sleep] and engines["ref"].before_compute == [sleep]

@@ -83,6 +83,18 @@ def report(steps: int = 200, mode: str = "distributed", batch: int = 64, context
 
 # ---- driver memory against batch size, per data plane -------------------------------------------
 
+def release_free_memory() -> None:
+    """Give memory malloc holds but nobody uses back to the OS (glibc's malloc_trim; a no-op
+    elsewhere), so RSS measured next counts what is allocated then."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class PeakRSS:
     """The driver's peak RSS while the block runs, sampled every `every_s` by a thread
     (ru_maxrss cannot be reset, so a sweep in one process needs its own peak)."""
@@ -141,6 +153,7 @@ def sweep_batch(batches: list[int] = (16, 64, 256), modes: list[str] = ("distrib
                     s.reopen(mode=mode, dag=dag, keep_outputs=False, history_steps=4)
                 s.step()  # warm-up: first-step allocations are not the batch's
                 gc.collect()
+                release_free_memory()  # else the warm-up's freed batch, kept by malloc, hides the steps' growth
                 sent = s.bytes_to_driver
                 with PeakRSS() as rss:
                     for _ in range(steps):
