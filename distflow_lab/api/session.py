@@ -337,6 +337,18 @@ class Session:
             ["item_id", "step", "update", "stage", "worker", "node", "hop", "bytes", "tokens", "version"]
         ].reset_index(drop=True)
 
+    def sankey(self, edge: str | None = None, step: int | list[int] | None = None):
+        """Bytes between workers on `edge` (a name like "advantage->old_log_prob"; None: every
+        edge) over `step` (None: every step): a Sankey, producers to consumers (the driver in
+        between in centralized mode). The numbers: `observe.flows.byte_flows`."""
+        from distflow_lab.observe.flows import byte_flows, sankey_figure
+
+        flows = byte_flows(self.spans, self.items(), self.plan, edge, step)
+        steps = "every step" if step is None else f"step {step}"
+        return sankey_figure(flows, [st.id for st in self.plan.stages],
+                             title=f"{self.mode}: bytes between workers, {edge or 'every edge'}, {steps} "
+                                   f"({flows['bytes'].sum() / 2**20:.2f} MiB)")
+
     def staleness(self):
         """Per training update: the trained samples by how many policy versions they lagged."""
         from distflow_lab.observe.schedule_figures import staleness_figure
