@@ -66,7 +66,17 @@ def measure(s: Session, steps: int, warmup: int) -> dict:
             "dropped_batches": float(m["schedule/dropped_batches"].iloc[-1]),
             "stale_seq_frac": _stale_fraction(m, trained),
             "len_max_over_median": float(m.get("rollout/len_max_over_median", pd.Series([float("nan")])).median()),
-            "spans": s.spans, "steps": list(range(first, first + steps))}
+            **_weight_sync(s.spans, m["step"]), "spans": s.spans, "steps": list(range(first, first + steps))}
+
+
+def _weight_sync(spans: pd.DataFrame, steps: pd.Series) -> dict:
+    """Per training update: the policy's trip from trainer to rollout group (`weight_sync` spans:
+    the trainer's export and post, the rollout's pull and load), seconds summed, bytes of one copy of the policy."""
+    ws = spans[(spans.phase == "weight_sync") & spans.step.isin(steps)]
+    if not len(ws):
+        return {"weight_sync_ms": 0.0, "weight_sync_mib": 0.0}
+    per = ws.groupby("step").agg(seconds=("seconds", "sum"), bytes=("bytes", "max"))  # posted = pulled
+    return {"weight_sync_ms": float(per.seconds.median() * 1e3), "weight_sync_mib": float(per.bytes.median() / 2**20)}
 
 
 def _stale_fraction(m: pd.DataFrame, trained: pd.DataFrame) -> float:
@@ -89,7 +99,13 @@ def ideal_speedup(sync: dict, decode_us: float, slots_per_row: float, items: pd.
 
 
 def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator",), workers: int = 4,
-        decode_us: float = 1000.0, json_path: str | None = None) -> list[dict]:
+        decode_us: float = 1000.0, json_path: str | None = None,
+        schedules: list[tuple[str, dict]] | None = None) -> list[dict]:
+    """Each schedule (default `SCHEDULES`; the first must be sync: it is the baseline and gives
+    the ideal) on one session per data plane; prints a table, writes the records as JSON."""
+    schedules = schedules or SCHEDULES
+    if schedules[0][0] != "sync":
+        raise ValueError(f"the first schedule must be 'sync' (the baseline), got {schedules[0][0]!r}")
     connect()
     records = []
     for mode in modes:
@@ -97,7 +113,7 @@ def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator
                     keep_outputs=False)
         try:
             base, ideal = None, None
-            for kind, opts in tqdm(SCHEDULES, desc=f"schedules ({mode})"):
+            for kind, opts in tqdm(schedules, desc=f"schedules ({mode})"):
                 s.reopen(schedule=kind, **opts)
                 r = measure(s, steps, warmup)
                 if kind == "sync":
@@ -115,7 +131,7 @@ def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator
     for r in records:
         r["of_ideal"] = r["speedup_vs_sync"] / r["ideal_speedup"]
     print_table(records, ["schedule", "max_staleness", "partial_rollout", "mode", "tokens_per_s", "step_s",
-                          "trainer_idle", "rollout_idle", "staleness_mean", "partial_frac", "stale_seq_frac", "speedup_vs_sync",
+                          "trainer_idle", "rollout_idle", "staleness_mean", "partial_frac", "stale_seq_frac", "weight_sync_ms", "weight_sync_mib", "speedup_vs_sync",
                           "ideal_speedup", "of_ideal"],
                 title=f"schedules on a long-tail workload ({steps} measured steps each; ideal from the sync run)")
     write_json(records, json_path)
