@@ -168,7 +168,8 @@ def regenerate(batch: Batch, ctx: StageContext, seed: int) -> Batch:
     P = heads["input_ids"].shape[1] - heads["responses"].shape[1]  # left-padded prompt width
     cols = ctx.engines["rollout"].generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], seed=seed)
     objects = {k: np.repeat(v, ctx.config.rollout.n) for k, v in heads.objects.items()}
-    cols["version"] = torch.full((len(cols["responses"]),), policy_version(ctx), dtype=torch.int64)
+    if "version" in batch:  # the rows to concat with carry the generating policy's version
+        cols["version"] = torch.full((len(cols["responses"]),), policy_version(ctx), dtype=torch.int64)
     if "item_id" in batch:  # the new responses take the dropped rows' slots (same groups, n rows each)
         cols["item_id"] = batch["item_id"].clone()
     return score(Batch(cols, objects), ctx)
