@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -223,3 +224,6 @@ class DataBuffer:
 
     async def ping(self) -> str:
         return self.node_id
+
+    async def pid(self) -> int:  # a restart answers from a new process (faults.kill_and_wait)
+        return os.getpid()

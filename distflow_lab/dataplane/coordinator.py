@@ -25,7 +25,7 @@ from distflow_lab.core.errors import CoordinatorLost, StageError
 from distflow_lab.core.spans import Span, SpanRecorder
 from distflow_lab.dataplane.cache import LocalCache
 from distflow_lab.dataplane.coordinator_actor import Coordinator, CoordinatorRestarted
-from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, Routing, wait_alive
+from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, Routing, kill_and_wait, wait_alive
 from distflow_lab.dataplane.routing import item_groups, item_lengths
 
 if TYPE_CHECKING:
@@ -155,7 +155,7 @@ class CoordinatorPort:
         self.published = []
 
     def kill_actor(self, index: int) -> None:
-        ray.kill(self.coord, no_restart=False)
+        kill_and_wait(self.coord, "the coordinator")
 
     def _local(self, edge: "Edge") -> bool:
         return edge.kind == "local" and self.spec.local_cache

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 import warnings
 from collections import deque
@@ -185,6 +186,9 @@ class Coordinator:
 
     async def ping(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    async def pid(self) -> int:  # a restart answers from a new process (faults.kill_and_wait)
+        return os.getpid()
 
 
 def _by_object(refs: list, chunk: int, rows: np.ndarray) -> list[tuple[Any, np.ndarray]]:

@@ -26,7 +26,7 @@ from distflow_lab.core.errors import BufferLost, StageError
 from distflow_lab.core.spans import Span, SpanRecorder
 from distflow_lab.dataplane.buffer_actor import BufferRestarted, DataBuffer
 from distflow_lab.dataplane.cache import LocalCache
-from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, Routing, wait_alive
+from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, Routing, kill_and_wait, wait_alive
 from distflow_lab.dataplane.routing import item_groups, item_lengths
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ class BufferPort:
         self.cache.clear()
 
     def kill_actor(self, index: int) -> None:
-        ray.kill(self.buffers[index], no_restart=False)
+        kill_and_wait(self.buffers[index], f"DataBuffer {index}")
 
     def _local(self, edge: "Edge") -> bool:
         return edge.kind == "local" and self.spec.local_cache

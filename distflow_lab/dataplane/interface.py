@@ -146,3 +146,19 @@ def wait_alive(actor, timeout_s: float) -> bool:
         except (RayError, GetTimeoutError):
             time.sleep(0.2)
     return False
+
+
+def kill_and_wait(actor: Any, what: str, timeout_s: float = 60.0) -> None:
+    """Kill a restartable data-plane actor (a fault injection) and return once a restarted
+    process answers: ray.kill is asynchronous, so without the wait the killer's next call
+    could still be served by the old process and the fault would miss the step."""
+    before = ray.get(actor.pid.remote(), timeout=timeout_s)
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if ray.get(actor.pid.remote(), timeout=max(0.1, deadline - time.monotonic())) != before:
+                return
+        except (RayError, GetTimeoutError):  # dead, or restarting (ActorUnavailableError)
+            time.sleep(0.05)
+    raise TimeoutError(f"{what} was killed but did not come back within {timeout_s:.0f}s")
