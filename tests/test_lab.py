@@ -13,6 +13,7 @@ import distflow_lab as lab
 from distflow_lab.experiments.synthetic import synthetic_grpo
 
 from .conftest import CLI, run_python, start_ray_head, stop_ray_head
+from .test_trace import SCHEMA
 
 
 def _run(code: str, timeout: int = 120, env: dict | None = None) -> str:
@@ -71,29 +72,7 @@ def test_trace_matches_the_chrome_trace_event_schema(synth, tmp_path):
     synth.run(2, progress=False)
     path = synth.trace(tmp_path / "trace.json")
     trace = json.loads(path.read_text())
-    schema = {
-        "type": "object", "required": ["traceEvents"],
-        "properties": {"traceEvents": {"type": "array", "items": {"oneOf": [
-            {"type": "object", "required": ["ph", "name", "ts", "dur", "pid", "tid"],
-             "properties": {"ph": {"const": "X"}, "name": {"type": "string"}, "ts": {"type": "number", "minimum": 0},
-                            "dur": {"type": "number", "minimum": 0}, "pid": {"type": "integer"},
-                            "tid": {"type": "integer"}, "args": {"type": "object"}}},
-            {"type": "object", "required": ["ph", "name", "pid", "args"],
-             "properties": {"ph": {"const": "M"}, "name": {"enum": ["process_name", "thread_name"]},
-                            "args": {"type": "object", "required": ["name"]}}},
-            {"type": "object", "required": ["ph", "name", "ts", "pid", "args"],  # counter tracks
-             "properties": {"ph": {"const": "C"}, "name": {"type": "string"}, "ts": {"type": "number", "minimum": 0},
-                            "pid": {"type": "integer"}, "tid": {"type": "integer"},
-                            "args": {"type": "object", "minProperties": 1,
-                                     "additionalProperties": {"type": "number"}}}},
-            {"type": "object", "required": ["ph", "name", "id", "ts", "pid", "tid"],  # flow start / finish
-             "properties": {"ph": {"enum": ["s", "f"]}, "name": {"type": "string"},
-                            "id": {"type": ["integer", "string"]}, "ts": {"type": "number", "minimum": 0},
-                            "pid": {"type": "integer"}, "tid": {"type": "integer"}, "cat": {"type": "string"},
-                            "bp": {"const": "e"}}},
-        ]}}},
-    }
-    jsonschema.validate(trace, schema)
+    jsonschema.validate(trace, SCHEMA)  # the Chrome trace-event schema tests/test_trace.py defines
     x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(x) == len(synth.spans)
     threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
