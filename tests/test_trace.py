@@ -51,7 +51,7 @@ def _handmade() -> pd.DataFrame:
 def test_counters_on_handmade_spans():
     c = data_plane_counters(_handmade())
     items = c[c["name"] == ITEMS_HELD]
-    assert list(zip(items["time"], items["value"])) == [(1.0, 4), (2.0, 8), (3.0, 5), (4.0, 0)]
+    assert list(zip(items["time"], items["value"])) == [(0.5, 4), (1.5, 8), (3.0, 5), (4.0, 0)]  # puts from their start
     edge = c[c["name"] == "in flight advantage->old_log_prob"]
     assert edge["value"].tolist() == [4, 8, 5, 0]
     assert c[c["name"] == BYTES_HELD]["value"].tolist() == [400, 800, 500, 0]
@@ -61,9 +61,19 @@ def test_counters_on_handmade_spans():
     counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]
     assert {e["pid"] for e in counters} == {COUNTER_PID}
     assert [e["args"]["items"] for e in counters if e["name"] == ITEMS_HELD] == [4, 8, 5, 0]
-    assert [e["ts"] for e in counters if e["name"] == ITEMS_HELD] == [1e6, 2e6, 3e6, 4e6]  # relative clock, us
+    assert [e["ts"] for e in counters if e["name"] == ITEMS_HELD] == [0.5e6, 1.5e6, 3e6, 4e6]  # relative clock, us
     unix = to_chrome_trace(_handmade(), clock="unix", counters=False)
     assert not any(e["ph"] == "C" for e in unix["traceEvents"]) and unix["otherData"]["t0_unix_s"] == 0.0
+
+
+def test_counters_when_a_read_ends_before_the_put_span_does():
+    """Producer 1's put span stays open until its acks return (t=4.5, on a loaded machine),
+    after the consumers have already read its items (t=3, t=4): nothing is left held."""
+    spans = _handmade()
+    late = (spans["worker"] == 1) & (spans["phase"] == "put")
+    spans.loc[late, "end"] = 4.5
+    items = data_plane_counters(spans).query("name == @ITEMS_HELD")
+    assert items["value"].tolist() == [4, 8, 5, 0] and items["value"].iloc[-1] == 0
 
 
 def test_sampled_series_and_flows_from_items():

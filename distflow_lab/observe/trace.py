@@ -13,8 +13,9 @@ Layout (chosen so the file merges with `ray.timeline()` output without collision
 
 Counter tracks ("ph": "C", on the counter process), derived from the spans:
   * "data plane: items held"      items put into the data plane (a `put`, or a worker's
-    `collect` back to the driver) and not yet taken out (a `get`, or a worker's `dispatch`
-    chunk): the DataBuffers' / coordinator's / driver's depth, summed over edges.
+    `collect` back to the driver; counted from the span's start) and not yet taken out
+    (a `get`, or a worker's `dispatch` chunk; counted at its end): the DataBuffers' /
+    coordinator's / driver's depth, summed over edges.
   * "in flight <src>-><dst>"       the same per edge (an out-span of stage dst takes from the
     latest stage that put in before it; tensor-parallel replicas reading one piece twice
     are clamped at 0).
@@ -60,7 +61,11 @@ def data_plane_counters(spans: pd.DataFrame) -> pd.DataFrame:
     moving = spans[[(_is_in(p, w) or _is_out(p, w)) for p, w in zip(spans["phase"], spans["worker"])]]
     steps: list[tuple[pd.DataFrame, dict]] = []
     consumers: dict[str, set] = {}
-    for _, df in moving.sort_values("end").groupby("step", sort=True):
+    is_in = np.array([_is_in(p, w) for p, w in zip(moving["phase"], moving["worker"])], dtype=bool)
+    # An in-span counts from its start and an out-span at its end: a consumer's read can end
+    # before the producer's put span does (the producer still awaits its acks), never before it began.
+    moving = moving.assign(t=np.where(is_in, moving["start"], moving["end"]))
+    for _, df in moving.sort_values("t", kind="stable").groupby("step", sort=True):
         firsts: dict[str, float] = {}
         for r in df.itertuples(index=False):
             if r.worker != DRIVER and _is_in(r.phase, r.worker):
@@ -81,15 +86,15 @@ def data_plane_counters(spans: pd.DataFrame) -> pd.DataFrame:
         for r in df.itertuples(index=False):
             incoming = _is_in(r.phase, r.worker)
             total_bytes = max(0.0, total_bytes + (r.bytes if incoming else -r.bytes))
-            rows.append((r.end, BYTES_HELD, total_bytes))
+            rows.append((r.t, BYTES_HELD, total_bytes))
             if r.worker == DRIVER:
                 continue
             edge = r.stage if incoming else src_of.get(r.stage)
             if edge is None:
                 continue
             held[edge] = max(0.0, held.get(edge, 0.0) + (r.items if incoming else -r.items))
-            rows.append((r.end, name.get(edge, f"{IN_FLIGHT} {edge}->?"), held[edge]))
-            rows.append((r.end, ITEMS_HELD, sum(held.values())))
+            rows.append((r.t, name.get(edge, f"{IN_FLIGHT} {edge}->?"), held[edge]))
+            rows.append((r.t, ITEMS_HELD, sum(held.values())))
     return pd.DataFrame(rows, columns=cols)
 
 
