@@ -48,6 +48,7 @@ def test_one_buffer_per_node_on_its_node(two_nodes):
         assert (ledger["items_in"] == 32).all() and (ledger["items_out"] == 32).all()
         per_buffer = ray.get([b.ledger.remote() for b in plane.buffers])
         assert all(sum(r["items_in"] for r in rows) > 0 for rows in per_buffer)  # both nodes carried data
+        assert "plan" in set(s.spans["phase"])  # consumers on two nodes: producers learn the plan, then split by node
         metrics = [r.metrics for r in reports]
         for mode in ("coordinator", "centralized"):  # the same steps, across two object stores
             s.reopen(mode=mode)
@@ -64,7 +65,8 @@ def test_one_central_buffer(two_nodes):
         assert len(s.controller.plane.buffers) == 1 and set(s.controller.plane.buffer_of_worker) == {0}
         s.step()
         ledger = s.ledger()
-        assert (ledger["items_out"] == 32).all()
+        assert (ledger["items_out"] == 32).all() and (ledger["items_in"] == 32).all()
+        assert "plan" not in set(s.spans["phase"])  # one buffer for every consumer: whole outputs, no plan to wait for
     finally:
         s.close()
 

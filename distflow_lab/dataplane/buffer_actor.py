@@ -14,9 +14,15 @@ the producer's object store to the consumer:
    that node's consumers, grouped by consumer) and registers it with that
    node's buffer (`add_piece`) — so a node pulls exactly the rows its workers
    need, once, and a producer makes one put per node, not one per consumer;
-4. the consumer gets its (reference, row range) from every producer
-   (`get_pieces`), reads its contiguous slice of each object (a zero-copy view
-   on its node) and concatenates them.
+4. the consumer gets its (reference, rows) from every producer (`get_pieces`),
+   reads its rows of each object (a contiguous zero-copy view on its node)
+   and concatenates them.
+
+When every consumer of the edge sits on one node, there is nothing to split
+by node: the producer skips steps 1–3 and puts its whole output at once
+(`add_whole`, one call, no wait for the other producers); the buffer plans
+when the last producer is in, and each consumer reads its rows (by index) of
+every producer's object. Same rows, same order, one round trip less.
 
 Every item is counted in (reported, pieces added) and out (pieces fetched by
 group rank 0): `ledger()` shows nothing lost and nothing duplicated.
@@ -54,7 +60,8 @@ class _Edge:
     groups: dict[int, np.ndarray | None] = field(default_factory=dict)
     plan_ready: asyncio.Event = field(default_factory=asyncio.Event)
     pieces_for_producer: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    pieces: dict[int, dict[int, Any]] = field(default_factory=dict)  # consumer -> producer -> (ref, start, stop)
+    pieces: dict[int, dict[int, Any]] = field(default_factory=dict)  # consumer -> producer -> (ref, rows)
+    wholes: dict[int, Any] = field(default_factory=dict)  # producer -> ref of its whole output (add_whole)
     piece_ready: dict[int, asyncio.Event] = field(default_factory=dict)
 
 
@@ -67,6 +74,10 @@ class _Count:
     items_out: int = 0
     pieces_in: int = 0
     pieces_out: int = 0
+
+
+def _n_rows(rows: slice | np.ndarray) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
@@ -167,14 +178,31 @@ class DataBuffer:
             got = e.pieces.setdefault(consumer, {})
             if producer in got:
                 raise BufferError(f"step {step} edge {edge}: producer {producer} sent consumer {consumer} rows twice")
-            got[producer] = (ref[0], start, stop)
+            got[producer] = (ref[0], slice(start, stop))
             c.items_in += stop - start
             if len(got) == n_producers:
                 e.piece_ready.setdefault(consumer, asyncio.Event()).set()
 
+    async def add_whole(self, step: int, edge: str, producer: int, lengths: np.ndarray, n_producers: int,
+                        n_consumers: int, routing: Routing, ref: list, groups: np.ndarray | None = None) -> None:
+        """Every consumer is on this node: `producer`'s whole output (`ref`) and its lengths,
+        sent without waiting for a plan. The last producer in makes the plan and hands each
+        consumer its rows (indices) of every producer's object."""
+        await self.report(step, edge, producer, lengths, n_producers, n_consumers, routing, True, groups)
+        e, c = self._edge(step, edge), self._count(step, edge)
+        e.wholes[producer] = ref[0]
+        c.pieces_in += 1
+        c.items_in += len(lengths)
+        if len(e.wholes) < n_producers or not e.plan_ready.is_set():
+            return
+        for consumer in range(n_consumers):
+            e.pieces[consumer] = {p: (e.wholes[p], e.pieces_for_producer[p][consumer]) for p in range(n_producers)}
+            e.piece_ready.setdefault(consumer, asyncio.Event()).set()
+
     async def get_pieces(self, step: int, edge: str, consumer: int, n_producers: int,
                          count_as_out: bool) -> list[tuple]:
-        """(ref, start, stop) of the consumer's rows from each producer, in producer order."""
+        """(ref, rows) of the consumer's rows from each producer, in producer order; rows is a
+        slice (`add_piece`) or an index array (`add_whole`)."""
         e = self._edge(step, edge)
         ready = e.piece_ready.setdefault(consumer, asyncio.Event())
         await self._wait(ready, step, f"pieces for consumer {consumer} on step {step} edge {edge} "
@@ -183,7 +211,7 @@ class DataBuffer:
         if count_as_out:
             c = self._count(step, edge)
             c.pieces_out += len(got)
-            c.items_out += sum(stop - start for _, start, stop in got)
+            c.items_out += sum(_n_rows(rows) for _, rows in got)
         return got
 
     # ---- step lifecycle --------------------------------------------------------

@@ -204,8 +204,12 @@ class BufferPort:
                 step, edge.name, me, producer.dp, stage.group_rank(self.rank) == 0))
             self.rpcs += 1
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "get", cache_hit=False) as sp:
-            objs = ray.get([ref for ref, _, _ in pieces])
-            batch = Batch.concat([o.select(slice(a, b)) for o, (_, a, b) in zip(objs, pieces)])
+            objs = ray.get([ref for ref, _ in pieces])
+            parts = [(o, rows) for o, (_, rows) in zip(objs, pieces)]
+            if all(isinstance(rows, slice) for _, rows in parts):  # per-node pieces: views, then one copy
+                batch = Batch.concat([o.select(rows) for o, rows in parts])
+            else:  # rows of whole outputs (add_whole): one gather copy per column
+                batch = Batch.gather(parts)
             sp.items, sp.bytes = len(batch), batch.nbytes
         return Fetched(batch, "buffer", False)
 
@@ -220,6 +224,15 @@ class BufferPort:
             return None
         routing = self.spec.routing if edge.kind == "redistribute" else Routing(Balance.IDENTITY)
         me, mine = stage.dp_rank(self.rank), self._buffer_of(self.rank)
+        nodes = self._consumers_by_buffer(consumer)
+        if len(nodes) == 1:  # every consumer on one node: nothing to split by node, so no plan to wait for
+            with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
+                sp.bytes = out.nbytes
+                (b,) = nodes
+                ray.get(self.buffers[b].add_whole.remote(step, edge.name, me, item_lengths(out), stage.dp, consumer.dp,
+                                                         routing, [ray.put(out)], item_groups(out)))
+                self.rpcs += 2  # the put and the call
+            return None
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "plan", items=len(out)):
             lengths, groups = item_lengths(out), item_groups(out)
             reports = [b.report.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, routing, False, groups)
@@ -228,7 +241,7 @@ class BufferPort:
                                                          groups))
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
             acks = []
-            for b, consumers in self._consumers_by_buffer(consumer).items():
+            for b, consumers in nodes.items():
                 rows = [pieces[c] for c in consumers]
                 bounds = np.cumsum([0, *map(len, rows)])
                 piece = out.select(np.concatenate(rows))  # one gather, one put per destination node

@@ -85,15 +85,16 @@ def call_latency_s(s: Session, calls: int = 30) -> float:
     return float(np.median(times))
 
 
-def critical_round_trips(plan, mode: str) -> int:
+def critical_round_trips(plan, mode: str, nodes: int = 1) -> int:
     """Ray round trips one after another on a step's critical path (calls made in parallel
     count once): the driver's step or stage calls, and each data-plane exchange.
-    distributed: per moving edge report+plan, put+add_piece, get_pieces;
+    distributed: per moving edge report+plan, put+add_piece, get_pieces (on one node:
+    add_whole, get_pieces — no plan to wait for);
     coordinator: per moving edge publish (one way, counted whole) and get_meta;
     centralized: per stage after the data: dispatch puts, the stage call, the collect get."""
     moving = sum(1 for e in plan.edges if e.kind == "redistribute")
     if mode == "distributed":
-        return 1 + 3 * moving + 1  # run_step, the exchanges, end_step
+        return 1 + (3 if nodes > 1 else 2) * moving + 1  # run_step, the exchanges, end_step
     if mode == "coordinator":
         return 1 + 2 * moving + 1
     return 3 * (len(plan.stages) - 1) + 1  # + the data stage on the driver
@@ -170,7 +171,7 @@ def config_records(by_mode: dict, bw: float, **config) -> list[dict]:
         if "rpcs" in steps[0]:  # the physical floor of this mode: its copies at memcpy speed + its round trips
             moved = float(np.median([r["bytes_moved"] for r in steps]))
             lat = steps[0]["call_latency_s"]
-            rtts = critical_round_trips(plan, m)
+            rtts = critical_round_trips(plan, m, config.get("nodes", 1))
             floor = {"rpcs_per_step": int(np.median([r["rpcs"] for r in steps])), "critical_round_trips": rtts,
                      "call_latency_ms": lat * 1e3, "floor_copy_s": moved / (bw * 1e9), "floor_rtt_s": rtts * lat}
             floor["floor_s"] = floor["floor_copy_s"] + floor["floor_rtt_s"]
