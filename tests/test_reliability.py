@@ -183,13 +183,17 @@ def test_driver_death_leaves_no_actors_and_a_new_session_starts_clean():
 
 
 def test_memory_stays_flat_over_a_long_run(ray_cluster):
-    df = memory.run(steps=150, every=10, progress=False)
+    df = memory.run(steps=150, every=5, progress=False)
     after = df[df["step"] >= 60]
     mib = 2**20
     assert memory.growth(df, "driver_rss", warmup=60) < 4 * mib
     assert memory.growth(df, "worker_rss_mean", warmup=60) < 16 * mib
-    assert after["object_store"].max() < 96 * mib  # bounded: old steps are freed
-    assert after["object_store"].tail(4).mean() <= after["object_store"].head(4).mean() + 16 * mib
+    store = after["object_store"].to_numpy()
+    assert store.max() < 96 * mib  # bounded: old steps are freed
+    # Ray frees in batches, so the store is a sawtooth whose peaks follow the step rate; a leak
+    # lifts its troughs. The lowest sample of each half is the trough it saw.
+    half = len(store) // 2
+    assert store[half:].min() <= store[:half].min() + 16 * mib, store // mib
 
 
 def _hang_on_worker_2(batch, ctx):
