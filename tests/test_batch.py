@@ -101,3 +101,13 @@ def test_object_columns_keep_nested_values():
     b = Batch(objects={"m": [[1, 2], [3, 4]]})
     assert b["m"].dtype == object and b["m"][1] == [3, 4]
     assert np.asarray(Batch.concat([b, b])["m"]).shape == (4,)
+
+
+def test_gather_takes_index_arrays_and_slices_like_select_then_concat():
+    a, b = make(6), make(4)
+    parts = [(a, np.array([4, 0, 2])), (b, slice(1, 3)), (a, slice(5, 6)), (b, np.array([], dtype=np.int64))]
+    got, want = Batch.gather(parts), Batch.concat([x.select(r) for x, r in parts])
+    assert len(got) == 6 and set(got.columns) == set(want.columns)
+    for k in want.columns:
+        g, w = got[k], want[k]
+        assert (torch.equal(g, w) if isinstance(w, torch.Tensor) else list(g) == list(w)), k

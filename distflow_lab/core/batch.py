@@ -177,25 +177,29 @@ class Batch:
         return Batch(tensors, objects, parts[0].meta, _check=False)
 
     @staticmethod
-    def gather(parts: Sequence[tuple["Batch", np.ndarray]]) -> "Batch":
-        """Rows `idx` of each batch, concatenated, with one copy per column (no
-        intermediate per-part batches): a consumer reading its rows out of several
-        producers' objects. Columns must match; meta comes from the first part."""
+    def gather(parts: Sequence[tuple["Batch", np.ndarray | slice]]) -> "Batch":
+        """Rows of each batch (an index array, or a slice: a contiguous range), concatenated,
+        with one copy per column (no intermediate per-part batches): a consumer reading its rows
+        out of several producers' objects. Columns must match; meta comes from the first part."""
         if not parts:
             return Batch()
         first = parts[0][0]
-        idx = [torch.from_numpy(np.array(i, dtype=np.int64)) for _, i in parts]  # private: Ray arrays are read-only
-        n = sum(len(i) for i in idx)
+        # private index copies: Ray arrays are read-only; slices are copied as they are (a memcpy)
+        rows = [r if isinstance(r, slice) else torch.from_numpy(np.array(r, dtype=np.int64)) for _, r in parts]
+        sizes = [len(range(*r.indices(len(b)))) if isinstance(r, slice) else len(r) for (b, _), r in zip(parts, rows)]
         tensors = {}
         for k, t in first.tensors.items():
-            out = torch.empty((n, *t.shape[1:]), dtype=t.dtype)
+            out = torch.empty((sum(sizes), *t.shape[1:]), dtype=t.dtype)
             at = 0
-            for (b, _), i in zip(parts, idx):
-                torch.index_select(b.tensors[k], 0, i, out=out[at:at + len(i)])
-                at += len(i)
+            for (b, _), r, n in zip(parts, rows, sizes):
+                if isinstance(r, slice):
+                    out[at:at + n].copy_(b.tensors[k][r])
+                else:
+                    torch.index_select(b.tensors[k], 0, r, out=out[at:at + n])
+                at += n
             tensors[k] = out
-        objects = {k: np.concatenate([b.objects[k][i.numpy()] for (b, _), i in zip(parts, idx)])
-                   for k in first.objects}
+        objects = {k: np.concatenate([b.objects[k][r if isinstance(r, slice) else r.numpy()]
+                                      for (b, _), r in zip(parts, rows)]) for k in first.objects}
         return Batch(tensors, objects, first.meta, _check=False)
 
     # ---- column operations --------------------------------------------

@@ -205,11 +205,7 @@ class BufferPort:
             self.rpcs += 1
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "get", cache_hit=False) as sp:
             objs = ray.get([ref for ref, _ in pieces])
-            parts = [(o, rows) for o, (_, rows) in zip(objs, pieces)]
-            if all(isinstance(rows, slice) for _, rows in parts):  # per-node pieces: views, then one copy
-                batch = Batch.concat([o.select(rows) for o, rows in parts])
-            else:  # rows of whole outputs (add_whole): one gather copy per column
-                batch = Batch.gather(parts)
+            batch = Batch.gather([(o, rows) for o, (_, rows) in zip(objs, pieces)])  # one copy per column
             sp.items, sp.bytes = len(batch), batch.nbytes
         return Fetched(batch, "buffer", False)
 
@@ -226,9 +222,9 @@ class BufferPort:
         me, mine = stage.dp_rank(self.rank), self._buffer_of(self.rank)
         nodes = self._consumers_by_buffer(consumer)
         if len(nodes) == 1:  # every consumer on one node: nothing to split by node, so no plan to wait for
+            (b,) = nodes
             with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
                 sp.bytes = out.nbytes
-                (b,) = nodes
                 ray.get(self.buffers[b].add_whole.remote(step, edge.name, me, item_lengths(out), stage.dp, consumer.dp,
                                                          routing, [ray.put(out)], item_groups(out)))
                 self.rpcs += 2  # the put and the call

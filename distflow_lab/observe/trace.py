@@ -58,21 +58,22 @@ def data_plane_counters(spans: pd.DataFrame) -> pd.DataFrame:
     cols = ["time", "name", "value"]
     if spans is None or not len(spans):
         return pd.DataFrame(columns=cols)
-    moving = spans[[(_is_in(p, w) or _is_out(p, w)) for p, w in zip(spans["phase"], spans["worker"])]]
+    pw = list(zip(spans["phase"], spans["worker"]))
+    incoming = np.array([_is_in(p, w) for p, w in pw], dtype=bool)
+    moving = spans.assign(incoming=incoming)[incoming | np.array([_is_out(p, w) for p, w in pw], dtype=bool)]
     steps: list[tuple[pd.DataFrame, dict]] = []
     consumers: dict[str, set] = {}
-    is_in = np.array([_is_in(p, w) for p, w in zip(moving["phase"], moving["worker"])], dtype=bool)
     # An in-span counts from its start and an out-span at its end: a consumer's read can end
     # before the producer's put span does (the producer still awaits its acks), never before it began.
-    moving = moving.assign(t=np.where(is_in, moving["start"], moving["end"]))
+    moving = moving.assign(t=np.where(moving["incoming"], moving["start"], moving["end"]))
     for _, df in moving.sort_values("t", kind="stable").groupby("step", sort=True):
         firsts: dict[str, float] = {}
         for r in df.itertuples(index=False):
-            if r.worker != DRIVER and _is_in(r.phase, r.worker):
+            if r.worker != DRIVER and r.incoming:
                 firsts[r.stage] = min(firsts.get(r.stage, np.inf), r.start)
         src_of = {}
         for r in df.itertuples(index=False):  # an out-span takes from the latest stage that put in before it
-            if r.worker != DRIVER and _is_out(r.phase, r.worker):
+            if r.worker != DRIVER and not r.incoming:
                 before = [(t, s) for s, t in firsts.items() if t <= r.start and s != r.stage]
                 if before:
                     src_of[r.stage] = max(before)[1]
@@ -84,15 +85,14 @@ def data_plane_counters(spans: pd.DataFrame) -> pd.DataFrame:
     total_bytes = 0.0
     for df, src_of in steps:
         for r in df.itertuples(index=False):
-            incoming = _is_in(r.phase, r.worker)
-            total_bytes = max(0.0, total_bytes + (r.bytes if incoming else -r.bytes))
+            total_bytes = max(0.0, total_bytes + (r.bytes if r.incoming else -r.bytes))
             rows.append((r.t, BYTES_HELD, total_bytes))
             if r.worker == DRIVER:
                 continue
-            edge = r.stage if incoming else src_of.get(r.stage)
+            edge = r.stage if r.incoming else src_of.get(r.stage)
             if edge is None:
                 continue
-            held[edge] = max(0.0, held.get(edge, 0.0) + (r.items if incoming else -r.items))
+            held[edge] = max(0.0, held.get(edge, 0.0) + (r.items if r.incoming else -r.items))
             rows.append((r.t, name.get(edge, f"{IN_FLIGHT} {edge}->?"), held[edge]))
             rows.append((r.t, ITEMS_HELD, sum(held.values())))
     return pd.DataFrame(rows, columns=cols)
