@@ -19,8 +19,8 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "connect": "distflow_lab.runtime.cluster", "shutdown": "distflow_lab.runtime.cluster",
-    "session": "distflow_lab.api.session", "rl_session": "distflow_lab.api.session",
-    "rl_dag": "distflow_lab.api.session", "run_config": "distflow_lab.api.session",
+    "session": "distflow_lab.api.session", "rl_session": "distflow_lab.api.runner",
+    "rl_dag": "distflow_lab.api.runner", "run_config": "distflow_lab.api.runner",
     "Session": "distflow_lab.api.session", "OPTIONS": "distflow_lab.api.session",
     "stepper": "distflow_lab.api.stepper", "notebook": "distflow_lab.api.notebook",
     "DAG": "distflow_lab.graph.dag", "Layout": "distflow_lab.graph.nodes", "Node": "distflow_lab.graph.nodes",

@@ -220,7 +220,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--rollout-tp", type=positive, default=2)
     d.add_argument("--nodes", type=positive, default=1, help="simulate this many Ray nodes")
     d.add_argument("--modes", type=modes_list((*MODES, "verl")), default=None,
-                   help="comma-separated: centralized,coordinator,distributed,verl (default: all available)")
+                   help=f"comma-separated: {','.join(MODES)},verl (default: all available)")
     d.add_argument("--no-control", action="store_true", help="skip the control-plane overhead measurement")
     bl = bsub.add_parser("balance", help="partitioner quality and speed")
     bl.add_argument("--repeats", type=positive, default=5)

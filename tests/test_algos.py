@@ -21,6 +21,7 @@ from distflow_lab.algos.estimators import (
     rloo_advantage,
 )
 from distflow_lab.algos.losses import (
+    LOSS_AGG_MODES,
     aggregate_loss,
     masked_mean,
     apply_kl_in_reward,
@@ -32,6 +33,8 @@ from distflow_lab.algos.losses import (
     policy_loss_ppo,
     value_loss_clipped,
 )
+
+from distflow_lab.models.token_ops import loss_count
 
 T = torch.tensor
 
@@ -175,11 +178,28 @@ def test_registry():
     s, m = T([1.0, 0.0, 1.0, 0.0]), torch.ones(4, 3)
     b = Batch({"scores": s, "response_mask": m, "values": torch.zeros(4, 3)}, {"uid": ["0"] * 4})
     alg = AlgorithmOptions()
-    close(ESTIMATORS["dr_grpo"](b, alg)[0][:, 0], [0.5, -0.5, 0.5, -0.5])
-    close(ESTIMATORS["grpo"](b, alg)[0][:, 0], [0.866025, -0.866025] * 2)
-    close(ESTIMATORS["gae"](b, alg)[0], ESTIMATORS["reinforce_plus_plus"](b, alg)[0])  # V=0, gamma=lam=1: same
+    close(ESTIMATORS["dr_grpo"](b, alg, None)[0][:, 0], [0.5, -0.5, 0.5, -0.5])
+    close(ESTIMATORS["grpo"](b, alg, None)[0][:, 0], [0.866025, -0.866025] * 2)
+    close(ESTIMATORS["gae"](b, alg, None)[0], ESTIMATORS["reinforce_plus_plus"](b, alg, None)[0])  # V=0, gamma=lam=1
     with_kl = b.with_columns(token_rewards=outcome_to_token_rewards(s, m) * 2)  # a stage put rewards in a column
-    assert not torch.equal(ESTIMATORS["gae"](with_kl, alg)[1], ESTIMATORS["gae"](b, alg)[1])
+    assert not torch.equal(ESTIMATORS["gae"](with_kl, alg, None)[1], ESTIMATORS["gae"](b, alg, None)[1])
+
+
+def test_outcome_estimators_read_token_rewards():
+    # A KL-shaped reward reaches every estimator (verl: score = token_level_rewards.sum(-1)).
+    # token_rewards rows sum to [1, 0, 3, 0] while `scores` says [1, 0, 1, 0]:
+    # dr_grpo: mean 1 -> [0, -1, 2, -1] ; rloo: s_i - (4 - s_i)/3 -> [0, -4/3, 8/3, -4/3]
+    from distflow_lab.core.batch import Batch
+    from distflow_lab.core.config import AlgorithmOptions
+
+    r = T([[0.5, 0.5, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [-0.25, 0.25, 0.0]])
+    b = Batch({"scores": T([1.0, 0.0, 1.0, 0.0]), "response_mask": torch.ones(4, 3), "token_rewards": r},
+              {"uid": ["0"] * 4})
+    alg = AlgorithmOptions()
+    close(ESTIMATORS["dr_grpo"](b, alg, None)[0][:, 0], [0.0, -1.0, 2.0, -1.0])
+    close(ESTIMATORS["rloo"](b, alg, None)[0][:, 0], [0.0, -4 / 3, 8 / 3, -4 / 3])
+    # grpo: unbiased std of [1,0,3,0] = sqrt((0+1+4+1)/3) = sqrt(2) -> (s - 1)/1.414214
+    close(ESTIMATORS["grpo"](b, alg, None)[0][:, 0], [0.0, -0.707107, 1.414214, -0.707107])
 
 
 # ---------------------------------------------------------------- aggregation
@@ -191,11 +211,24 @@ def test_aggregation_modes_differ_on_unequal_lengths():
     close(aggregate_loss(L, m, "token-mean"), 2.5)  # (1+2+3+4)/4
     close(aggregate_loss(L, m, "seq-mean-token-mean"), 3.0)  # (6/3 + 4/1)/2
     close(aggregate_loss(L, m, "seq-mean-token-sum"), 5.0)  # (6 + 4)/2
+    close(aggregate_loss(L, m, "seq-mean-token-sum-norm"), 5.0 / 3)  # (6 + 4)/2 rows/3 = padded width
     with pytest.raises(ValueError):
         aggregate_loss(L, m, "nope")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_aggregation_leaves_empty_rows_out_of_the_row_count():
+    # the third row has no token: it adds nothing and is not a sequence of the mean (verl's seq_mask)
+    L = T([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0], [7.0, 7.0, 7.0]])
+    m = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.float32)
+    close(aggregate_loss(L, m, "token-mean"), 2.5)  # (1+2+3+4)/4
+    close(aggregate_loss(L, m, "seq-mean-token-mean"), 3.0)  # (2 + 4)/2, not /3
+    close(aggregate_loss(L, m, "seq-mean-token-sum"), 5.0)  # (6 + 4)/2
+    close(aggregate_loss(L, m, "seq-mean-token-sum-norm"), 5.0 / 3)  # (6 + 4)/(2 * 3)
+    assert [loss_count(m, k) for k in LOSS_AGG_MODES] == [4.0, 2.0, 2.0, 2.0]
+    close(aggregate_loss(L, torch.zeros_like(m), "seq-mean-token-mean"), 0.0)  # no rows at all: 0 (verl: NaN)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_aggregation_invariant_to_row_permutation(mode):
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -328,3 +361,23 @@ def test_log_probs_from_logits():
     close(log_probs_from_logits(logits, labels), manual)
     out = log_probs_from_logits(logits.bfloat16(), labels)
     assert out.dtype == torch.float32 and out.shape == (2, 4)
+
+
+def test_aggregate_metrics_max_keys_take_the_max():
+    from distflow_lab.runtime.results import StageResult, aggregate_metrics
+
+    def result(worker, group_rank, rows, metrics, counts=None):
+        return StageResult(step=0, stage=0, stage_id="actor_update", worker=worker, dp_rank=worker,
+                           group_rank=group_rank, items_in=rows, items_out=rows, tokens_out=0, bytes_in=0, bytes_out=0, route_in="cache",
+                           cache_hit=True, metrics=metrics, counts=counts or {})
+
+    # rows 3 and 1: a mean weighs 3:1 -> (3*1 + 1*5)/4 = 2 ; a *_max is the max over ranks, 7
+    # (never (3*2 + 1*7)/4 = 3.25); the rank with no rows and the tensor-parallel follower do not count
+    out = aggregate_metrics([result(0, 0, 3, {"actor/loss": 1.0, "actor/is_ratio_max": 2.0}, {"kept": 3}),
+                             result(1, 0, 1, {"actor/loss": 5.0, "actor/is_ratio_max": 7.0}, {"kept": 1}),
+                             result(2, 0, 0, {"actor/loss": 100.0, "actor/is_ratio_max": 100.0}),
+                             result(3, 1, 4, {"actor/loss": 100.0, "actor/is_ratio_max": 100.0})])
+    assert out == {"actor/loss": 2.0, "actor/is_ratio_max": 7.0, "kept": 4.0}
+    # no rank produced rows: the plain mean / max over all of them
+    assert aggregate_metrics([result(0, 0, 0, {"a": 1.0, "a_max": 1.0}),
+                              result(1, 0, 0, {"a": 3.0, "a_max": 3.0})]) == {"a": 2.0, "a_max": 3.0}

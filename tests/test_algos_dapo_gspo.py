@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from distflow_lab.algos import dapo, grpo, gspo
+from distflow_lab.algos.engine_setup import RLEngines
 from distflow_lab.algos.losses import aggregate_loss, gspo_token_loss
 from distflow_lab.algos.registry import build_dag, with_defaults
 from distflow_lab.core.batch import Batch
@@ -97,7 +98,7 @@ def update_batch(ratio: float, adv: float) -> Batch:
 def run_update(module, cfg, batch):
     plan = build_dag(cfg, "unused.parquet").plan(1)
     actor = FakeActor()
-    ctx = local_context(plan, "actor_update", config=cfg, engines={"actor": actor, "sync": types.SimpleNamespace()})
+    ctx = local_context(plan, "actor_update", config=cfg, engines=RLEngines(TOK, None, actor=actor))
     module.actor_update(batch, ctx)
     return actor
 
@@ -163,7 +164,7 @@ def scored_batch(cfg, texts, uids, lengths=None):
     objects = {"uid": np.array(uids, dtype=object), "ground_truth": np.array(["7"] * len(texts), dtype=object),
                "data_source": np.array(["x"] * len(texts), dtype=object)}
     plan = build_dag(cfg, "unused.parquet").plan(1)
-    engines = {"tokenizer": TOK, "reward_fn": lambda src, text, truth: float(text.startswith(truth))}
+    engines = RLEngines(TOK, lambda src, text, truth: float(text.startswith(truth)))
     ctx = local_context(plan, "reward", config=cfg, engines=engines)
     return dapo.reward(Batch(cols, objects), ctx), ctx
 
@@ -211,7 +212,7 @@ def sample(cfg, scripts):
     cols = rollout.generate(prompts, torch.ones_like(prompts), seed=0)
     objects = {"uid": np.repeat([f"p{i}" for i in range(4)], 2).astype(object),
                "ground_truth": np.array(["7"] * 8, dtype=object), "data_source": np.array(["x"] * 8, dtype=object)}
-    engines = {"tokenizer": TOK, "rollout": rollout, "reward_fn": lambda src, text, truth: float(text == truth)}
+    engines = RLEngines(TOK, lambda src, text, truth: float(text == truth), rollout=rollout)
     plan = build_dag(cfg, "unused.parquet").plan(1)
     b = dapo.score(Batch(cols, objects), local_context(plan, "reward", config=cfg, engines=engines))
     ctx = local_context(plan, "dynamic_sampling", config=cfg, engines=engines, seed=5)

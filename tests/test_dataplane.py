@@ -317,3 +317,13 @@ def test_coordinator_objects_per_sample_or_per_output_give_the_same_rows(ray_clu
         assert s.history[-1].rpcs < moved  # one put per producer instead of one per sample
     finally:
         s.close()
+
+
+def test_ledger_rows_have_one_shape():
+    from distflow_lab.dataplane.interface import LEDGER_COLUMNS, ledger_row
+
+    row = ledger_row(3, "advantage->old_log_prob", items_in=32, items_dropped=32)
+    assert list(row) == ["step", "edge", *LEDGER_COLUMNS]
+    assert row["items_in"] == 32 and row["items_dropped"] == 32 and row["items_out"] == 0
+    with pytest.raises(ValueError, match=r"unknown count\(s\) \['items_lost'\]"):
+        ledger_row(3, "advantage->old_log_prob", items_lost=1)

@@ -1,17 +1,23 @@
 """The schedules on worker groups, with real Ray workers: async with k=0 is the
 synchronous schedule, no trained sample is staler than k, the published and the
 pulled weights are the same, every generated sample is trained once or dropped
-and counted, one-step-off learns, and a killed rollout worker is a named error."""
+and counted, one-step-off learns, and a killed rollout worker is a named error.
+Nothing hangs: a segment's deadline is the sum of its stages' timeouts, and a policy
+that never advances is a named error (on Lanes alone, then on real workers)."""
 from __future__ import annotations
 
 import time
 
 import pytest
+import ray
 
 import distflow_lab as lab
 from distflow_lab.api.runner import load_run_config, train
-from distflow_lab.core.errors import ConfigError, SessionBroken, WorkerLost
+from distflow_lab.core.config import ScheduleOptions
+from distflow_lab.core.errors import ConfigError, PolicyNotPublished, SessionBroken, StaleBatches, WorkerLost
+from distflow_lab.dataplane.interface import EndOfStep
 from distflow_lab.runtime import faults
+from distflow_lab.runtime.schedules import Dispatch, Lanes
 
 GROUPS = {"rollout": 2, "train": 2}
 
@@ -126,3 +132,110 @@ def test_one_step_off_learns_the_arithmetic_task(ray_cluster, tmp_path_factory):
     reward = m["reward/mean"]
     assert reward[-20:].mean() >= reward[:20].mean() + 0.05, (reward[:20].mean(), reward[-20:].mean())
     assert (m["schedule/staleness"].iloc[2:] == 1).all()  # one step off, every step after the first
+
+
+# ---- nothing loops forever ---------------------------------------------------------------
+
+
+class InstantWorkers:
+    """A Dispatch for Lanes without workers: every segment call answers at once (ray.put).
+    The trainers `bump` the policy version each update (True), hold a policy they never
+    advance (False), or have no weights engine (None); generation pulls what was published."""
+
+    def __init__(self, bump: bool | None) -> None:
+        self.bump, self.version, self.published, self.aborted = bump, 0, 0, []
+
+    def call(self, method: str, workers: list[int], args: tuple) -> list:
+        if method == "generate_segment":
+            v = self.published
+            answer = {"results": [], "version": v, "version_min": v, "checksum": 0.0}
+        else:
+            before = self.version if self.bump is not None else None
+            self.version += bool(self.bump)
+            self.published = self.version
+            answer = {"results": [], "version": self.version if self.bump is not None else None,
+                      "version_before": before, "checksum": 0.0}
+        return [ray.put(answer) for _ in workers]
+
+    def dispatch(self, timeouts: dict[str, float] | None = None) -> Dispatch:
+        return Dispatch(call=self.call, gather=lambda refs, step, stage, limit, workers: ray.get(refs, timeout=limit),
+                        abort=lambda step, reason: self.aborted.append(step),
+                        end_step=lambda step: EndOfStep(0.0, []),
+                        timeout=lambda st: (timeouts or {}).get(st.id, 30.0))
+
+
+def lanes(workers: InstantWorkers, kind: str = "one_step_off", timeouts: dict[str, float] | None = None) -> Lanes:
+    return Lanes(dag().plan(4), "coordinator", ScheduleOptions(kind=kind), workers.dispatch(timeouts), start=0)
+
+
+def test_a_segment_deadline_is_the_sum_of_its_stage_timeouts(ray_cluster):
+    timeouts = {"data": 1.0, "rollout": 20.0, "reward": 3.0, "advantage": 4.0, "old_log_prob": 50.0,
+                "ref_log_prob": 60.0, "actor_update": 70.0}
+    ln = lanes(InstantWorkers(bump=True), timeouts=timeouts)
+    ln._launch()  # nothing ready yet: one generation starts
+    assert ln.gen.deadline - ln.gen.started == pytest.approx(1 + 20 + 3 + 4)  # data, rollout, reward, advantage
+    ln._wait()  # it answers at once: its batch is ready
+    ln._launch()
+    assert ln.train.deadline - ln.train.started == pytest.approx(50 + 60 + 70)  # old_log_prob, ref_log_prob, update
+
+
+def test_lanes_count_one_update_per_step_when_the_policy_advances(ray_cluster):
+    ln = lanes(InstantWorkers(bump=True))
+    reports = [ln.step() for _ in range(4)]
+    assert [r.step for r in reports] == [0, 1, 2, 3]
+    assert [r.metrics["schedule/policy_version"] for r in reports] == [1, 2, 3, 4]
+    assert all(r.metrics["schedule/staleness"] <= 1 for r in reports)
+
+
+def test_lanes_raise_when_an_update_does_not_advance_the_policy(ray_cluster):
+    ln = lanes(InstantWorkers(bump=False))
+    with pytest.raises(PolicyNotPublished, match=r"training update 0 \(batch 0\) left the policy at version 0 on "
+                                                 r"worker 2; update 0 must leave it at version 1.*'actor_update'"):
+        ln.step()
+    assert ln.gen is None and ln.train is None  # nothing left in flight
+    assert ln.updates == 0  # the update is not counted
+
+
+def test_lanes_bound_the_batches_dropped_in_a_row(ray_cluster):
+    """No weights engine on the trainers: the version never moves, so after k updates every
+    batch is too stale. Dropping them would go on for ever: it stops after max(2, k + 1)."""
+    ln = lanes(InstantWorkers(bump=None), kind="one_step_off")  # k = 1
+    with pytest.raises(StaleBatches, match=r"dropped 3 batches in a row as too stale.*policy version 0.*update 2.*"
+                                           r"the policy version is not advancing"):
+        for _ in range(10):
+            ln.step()
+    assert ln.updates == 2
+    assert [r["step"] for r in ln.take_ledger()] == [2, 3, 4]  # every dropped batch is in the ledger
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("publishes", ["never_advances", "no_weights"])
+def test_a_policy_that_never_advances_is_a_named_error_not_a_hang(ray_cluster, publishes):
+    """An actor-update stage that forgets to advance the policy version: the first update is
+    PolicyNotPublished, and with no weights engine at all the stale batches are StaleBatches;
+    either way quickly, and the session is broken until resume()."""
+    def never_advances(batch, ctx):
+        from distflow_lab.experiments.synthetic import policy
+
+        policy(ctx)  # the trainers hold the policy, but this update leaves its version where it was
+        return batch
+
+    def no_weights(batch, ctx):
+        return batch
+
+    fn, error = {"never_advances": (never_advances, PolicyNotPublished),
+                 "no_weights": (no_weights, StaleBatches)}[publishes]
+    s = lab.session(dag().replace("actor_update", fn=fn), world_size=4, mode="coordinator", schedule="async",
+                    max_staleness=1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(error):
+            s.run(10, progress=False)
+        assert time.monotonic() - t0 < 60
+        with pytest.raises(SessionBroken, match=rf"{error.__name__}.*resume"):
+            s.step()
+        if error is StaleBatches:
+            moved = s.ledger()
+            assert moved["items_dropped"].sum() == 3 * 32  # the dropped batches are counted
+    finally:
+        s.close()

@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from pydantic import ValidationError
 
-from distflow_lab.algos.engine_setup import WeightSync, sync_weights
+from distflow_lab.algos.engine_setup import Policy, RLEngines, sync_weights
 from distflow_lab.core.config import Optim, RolloutOptions, parse_run_config
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.core.spans import SpanRecorder
@@ -308,7 +308,7 @@ def test_sync_weights_streams_and_records_a_span(tok, model):
     llm = FakeLLM(loader, script)
     ro = VLLMRollout.attach(FAKE_VLLM, llm, tok, vllm_opts(n=1, vllm={"weight_sync_bucket_mib": 1}), P, dtype="float32")
     rec = SpanRecorder(0, "local")
-    ctx = SimpleNamespace(engines={"sync": WeightSync(shared=False), "rollout": ro, "actor": actor},
+    ctx = SimpleNamespace(engines=RLEngines(tok, None, Policy(shared=False), actor=actor, rollout=ro),
                           span=lambda phase, **c: rec.span(0, "rollout", phase, **c))
     sync_weights(ctx)  # nothing stale, engine awake: no sync
     assert rec.take() == [] and llm.calls == []
@@ -319,9 +319,9 @@ def test_sync_weights_streams_and_records_a_span(tok, model):
     assert span.phase == "weight_sync" and span.bytes == n_bytes and span.items == len(actor.model.state_dict())
     assert span.end >= span.start and not ro.needs_weights
     assert all(torch.equal(loader.target.state_dict()[n], t) for n, t in actor.model.state_dict().items())
-    ctx.engines["sync"].stale = True  # an actor update
+    ctx.engines.policy.updated()  # an actor update
     sync_weights(ctx)
-    assert len(rec.take()) == 1 and not ctx.engines["sync"].stale
+    assert len(rec.take()) == 1 and not ctx.engines.policy.stale
 
 
 def test_setup_engines_passes_run_settings_and_hangs_sleep_on_the_trainers(tok, model, tmp_path, monkeypatch):
@@ -341,9 +341,9 @@ def test_setup_engines_passes_run_settings_and_hangs_sleep_on_the_trainers(tok, 
     ctx = SimpleNamespace(groups={}, roles=frozenset({"rollout", "actor", "reference"}))  # colocated: every role
     engines = engine_setup.setup_engines(ctx, cfg)
     assert got == {"dtype": "float32", "seed": 3, "gen_model": None, "model_path": str(tmp_path / "m")}
-    sleep = engines["rollout"].sleep
-    assert engines["actor"].before_compute == [sleep] and engines["ref"].before_compute == [sleep]
-    assert not engines["sync"].shared
+    sleep = engines.rollout.sleep
+    assert engines.actor.before_compute == [sleep] and engines.ref.before_compute == [sleep]
+    assert not engines.policy.shared
 
 
 def test_external_launcher_env_single_process(monkeypatch):

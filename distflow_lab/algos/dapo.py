@@ -22,12 +22,12 @@ import math
 import numpy as np
 import torch
 
-from distflow_lab.algos.engine_setup import policy_version
-from distflow_lab.algos.grpo import CONTRACTS, MODEL_INPUTS, _mini_batches, actor_loss
+from distflow_lab.algos.actor_update import ppo_policy, update_actor
+from distflow_lab.algos.grpo import CONTRACTS, fit_kl
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ActorOptions, DataSpec, RunConfig
+from distflow_lab.datasets.loader import load_batch
 from distflow_lab.graph.dag import DAG
-from distflow_lab.graph.nodes import Layout
 from distflow_lab.graph.shapes import grpo_shape
 from distflow_lab.models.sequences import decode_responses
 from distflow_lab.runtime.context import StageContext
@@ -37,18 +37,16 @@ GRPO_STAGES = ("rollout", "advantage", "old_log_prob", "ref_log_prob")
 
 def dapo_dag(cfg: RunConfig, data_path: str) -> DAG:
     data = DataSpec(source=data_path, batch_size=pool_size(cfg), shuffle=cfg.data.shuffle)
-    fns = {**{n: f"distflow_lab.algos.grpo:{n}" for n in GRPO_STAGES},
+    fns = {"data": load_batch, **{n: f"distflow_lab.algos.grpo:{n}" for n in GRPO_STAGES},
            **{n: f"{__name__}:{n}" for n in ("reward", "actor_update")}}
     contracts = {**CONTRACTS, "reward": {"contract": {"outputs": ["acc", "scores"], "rows": "same"}}}
     dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name="dapo", groups=cfg.groups)
-    if cfg.algorithm.dapo.dynamic_sampling:  # one more stage, in the rollout layout; its row count varies
+    if cfg.algorithm.dapo.dynamic_sampling:  # one more stage, in the rollout's layout; its row count varies
         dag.node("dynamic_sampling", f"{__name__}:dynamic_sampling", role="rollout", type="generate",
-                 deps=["reward"], layout=Layout(tp=cfg.rollout.tp),
+                 deps=["reward"], layout=dag["rollout"].layout,
                  contract={"outputs": ["acc", "scores", "uid"], "rows": "any"})
         dag.replace("advantage", deps=["dynamic_sampling"])
-    if not cfg.actor.use_kl_loss:  # no KL term: nothing reads the reference's log-probs
-        dag.remove("ref_log_prob").replace("actor_update", deps=["old_log_prob"])
-    return dag
+    return fit_kl(dag, cfg)  # DAPO drops the KL term (its preset): then the reference pass goes too
 
 
 def pool_size(cfg: RunConfig) -> int:
@@ -77,8 +75,8 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
 def score(batch: Batch, ctx: StageContext) -> Batch:
     """acc: the task reward of each response; scores: acc plus the overlong penalty (if on)."""
     cfg, e = ctx.config, ctx.engines
-    texts = decode_responses(e["tokenizer"], batch["responses"], batch["response_mask"])
-    acc = torch.tensor([e["reward_fn"](src, text, truth) for src, text, truth in
+    texts = decode_responses(e.tokenizer, batch["responses"], batch["response_mask"])
+    acc = torch.tensor([e.reward_fn(src, text, truth) for src, text, truth in
                         zip(batch["data_source"], texts, batch["ground_truth"])], dtype=torch.float32)
     d, R = cfg.algorithm.dapo, cfg.rollout.max_response_len
     penalty = torch.zeros_like(acc)
@@ -166,16 +164,16 @@ def regenerate(batch: Batch, ctx: StageContext, seed: int) -> Batch:
     _, first = np.unique(np.asarray(batch["uid"]).astype(str), return_index=True)
     heads = batch.select(np.sort(first))
     P = heads["input_ids"].shape[1] - heads["responses"].shape[1]  # left-padded prompt width
-    cols = ctx.engines["rollout"].generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], seed=seed)
+    cols = ctx.engines.rollout.generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], seed=seed)
     objects = {k: np.repeat(v, ctx.config.rollout.n) for k, v in heads.objects.items()}
     if "version" in batch:  # the rows to concat with carry the generating policy's version
-        cols["version"] = torch.full((len(cols["responses"]),), policy_version(ctx), dtype=torch.int64)
+        cols["version"] = torch.full((len(cols["responses"]),), ctx.engines.policy.version, dtype=torch.int64)
     if "item_id" in batch:  # the new responses take the dropped rows' slots (same groups, n rows each)
         cols["item_id"] = batch["item_id"].clone()
     return score(Batch(cols, objects), ctx)
 
 
-# ---- 3. actor update: GRPO's, with DAPO's clip range and loss aggregation ----------------
+# ---- 3. actor update: the shared one, with DAPO's clip range and loss aggregation ----------
 def dapo_actor(cfg: RunConfig) -> ActorOptions:
     """The actor options the switches imply: clip-higher off = the symmetric clip
     [1 - low, 1 + low]; token-level loss = token-mean, off = seq-mean-token-mean."""
@@ -185,14 +183,4 @@ def dapo_actor(cfg: RunConfig) -> ActorOptions:
 
 
 def actor_update(batch: Batch, ctx: StageContext) -> Batch:
-    cfg = ctx.config.model_copy(update={"actor": dapo_actor(ctx.config)})
-    a, actor = cfg.actor, ctx.engines["actor"]
-    need = [*MODEL_INPUTS, "response_mask", "old_log_probs", "advantages"]
-    if a.use_kl_loss:
-        need.append("ref_log_probs")
-    metrics: dict[str, float] = {}
-    for mini in _mini_batches({k: batch[k] for k in need}, a.mini_batches):
-        metrics = actor.train_step(mini, actor_loss(cfg), a.loss_agg_mode, with_entropy=a.entropy_coeff > 0)
-    ctx.engines["sync"].stale = True  # the rollout must pick up the new weights
-    ctx.log(**{f"actor/{k}": v for k, v in metrics.items()})
-    return batch
+    return update_actor(batch, ctx, ppo_policy, actor=dapo_actor(ctx.config))

@@ -1,11 +1,20 @@
 """What each DAG worker owns for the built-in RL algorithms: tokenizer, actor
-(FSDP2 over all workers), frozen reference, rollout engine, critic (PPO) and
-the reward function. Built once per worker by `setup_engines` (the session's
-engine factory); stage functions reach them through `ctx.engines`.
+(FSDP2 over its group), frozen reference, rollout engine, critic (PPO), the
+reward function and the policy's version. Built once per worker by
+`setup_engines` (the session's engine factory); stage functions reach them as
+typed attributes: `ctx.engines.actor`, `ctx.engines.rollout`, ...
+
+The policy version is one number with one owner, `Policy`. The one actor update
+(`actor_update.py`) calls `Policy.updated()` after every optimizer step: the
+version advances, a colocated rollout knows its weights lag, and on worker groups
+the training group publishes that version (`runtime/weights.py`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -16,73 +25,123 @@ from distflow_lab.graph.nodes import resolve_function
 from distflow_lab.models.critic import build_critic_from
 from distflow_lab.models.fsdp import TrainEngine
 from distflow_lab.models.model_dir import load_model_dir
-from distflow_lab.models.rollout import make_rollout
+from distflow_lab.models.rollout import RolloutEngine, make_rollout
 from distflow_lab.runtime.context import StageContext
-from distflow_lab.runtime.weights import state_checksum
-
-
-@dataclass
-class WeightSync:
-    """The rollout's weights lag the actor's after an update until synced."""
-
-    shared: bool  # the rollout uses the actor's own module (1 worker): always in sync
-    stale: bool = False
-
-    def after_load(self) -> None:  # a checkpoint replaced the actor's weights
-        self.stale = not self.shared
-
+from distflow_lab.runtime.engines import Checkpointable
+from distflow_lab.runtime.weights import PolicyWeights, state_checksum
 
 TRAIN_ROLES = {"actor", "reference", "critic"}
 
 
-def setup_engines(ctx: StageContext, cfg: RunConfig) -> dict[str, Any]:
+@dataclass
+class Policy:
+    """The policy's version on this worker, and whether a colocated rollout lags the actor.
+
+    version: updates applied (trainers), or the published version pulled (rollout-only workers).
+    shared:  the rollout generates with the actor's own module (one unsharded worker): never lags.
+    """
+
+    version: int = 0
+    shared: bool = False
+    stale: bool = False
+    writer: bool = False  # saves the version in checkpoints (rank 0 of the trainers)
+
+    def updated(self) -> None:
+        """An optimizer step changed the actor: a new version, and the rollout here lags it."""
+        self.version += 1
+        self.stale = not self.shared
+
+    def save(self, directory: Path) -> None:
+        if self.writer:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = directory / f".version.json.{os.getpid()}"
+            tmp.write_text(json.dumps({"version": self.version}))
+            os.replace(tmp, directory / "version.json")
+
+    def load(self, directory: Path) -> None:
+        self.version = int(json.loads((directory / "version.json").read_text())["version"])
+
+
+@dataclass
+class RLEngines:
+    """One worker's engines (`runtime.engines.WorkerEngines`). A worker of a training group has
+    no rollout; a worker of a generation group has no actor, reference or critic."""
+
+    tokenizer: Any
+    reward_fn: Callable[[str, str, str], float]
+    policy: Policy = field(default_factory=Policy)
+    actor: TrainEngine | None = None
+    ref: TrainEngine | None = None
+    critic: TrainEngine | None = None
+    rollout: RolloutEngine | None = None
+    weights: PolicyWeights | None = None  # worker groups: this worker's half of the weight sync
+
+    def checkpointed(self) -> dict[str, Checkpointable]:
+        """The trained engines and the version they are at (the rollout and reference are rebuilt)."""
+        out: dict[str, Checkpointable] = {}
+        if self.actor is not None:
+            out.update(actor=self.actor, policy=self.policy)
+        if self.critic is not None:
+            out["critic"] = self.critic
+        return out
+
+    def after_load(self) -> None:
+        """The actor's weights were replaced: a colocated rollout lags until the next sync."""
+        self.policy.stale = not self.policy.shared
+
+    def close(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+
+
+def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
     """The engines of the stages this worker runs (`ctx.roles`): all of them when every stage
     runs on every worker (colocated); only the training or the generation side on worker
-    groups, each with its half of the weight sync ("weights": export or import)."""
+    groups, each with its half of the weight sync (`weights`: export or import)."""
     torch.manual_seed(cfg.seed)
     dtype = getattr(torch, cfg.model.dtype)
     trains, generates = bool(ctx.roles & TRAIN_ROLES), "rollout" in ctx.roles
     model, tokenizer = load_model_dir(cfg.model.path, dtype=dtype)
-    temp = cfg.rollout.temperature
-    hf = cfg.rollout.engine == "hf"
-    engines: dict[str, Any] = {"tokenizer": tokenizer, "reward_fn": make_reward_fn(cfg.reward)}
-    actor = None
+    fresh = lambda: load_model_dir(cfg.model.path, dtype=dtype)[0]  # noqa: E731  another copy of the policy
+    e = RLEngines(tokenizer, make_reward_fn(cfg.reward))
+    budget, temp = cfg.actor.micro_token_budget, cfg.rollout.temperature
     if trains:
         pg = ctx.groups.get("actor_update")  # the training layout's data-parallel group (FSDP2 shards over it)
-        actor = engines["actor"] = TrainEngine(model, cfg.actor, process_group=pg, temperature=temp,
-                                               micro_token_budget=cfg.actor.micro_token_budget)
-        engines["ref"] = TrainEngine(load_model_dir(cfg.model.path, dtype=dtype)[0], None, process_group=pg,
-                                     micro_token_budget=cfg.actor.micro_token_budget, temperature=temp)
-    shared = generates and actor is not None and hf and not actor.distributed  # generate with the actor's module
+        e.actor = TrainEngine(model, cfg.actor, process_group=pg, temperature=temp, micro_token_budget=budget)
+        e.ref = TrainEngine(fresh(), None, process_group=pg, micro_token_budget=budget, temperature=temp)
+        e.policy.writer = e.actor.rank == 0
+        if cfg.algorithm.name == "ppo":
+            e.critic = TrainEngine(build_critic_from(cfg.model.path, dtype=dtype), cfg.critic,
+                                   process_group=ctx.groups.get("critic_update"),
+                                   micro_token_budget=cfg.critic.micro_token_budget, critic=True)
+    hf = cfg.rollout.engine == "hf"
+    e.policy.shared = generates and trains and hf and not e.actor.distributed  # generate with the actor's module
     if generates:
-        gen_model = actor.model if shared else ((model if actor is None else load_model_dir(cfg.model.path,
-                                                                                           dtype=dtype)[0]) if hf
-                                                else None)
+        gen_model = (e.actor.model if e.policy.shared else model if not trains else fresh()) if hf else None
         vllm_args = {} if hf else {"dtype": cfg.model.dtype, "seed": cfg.seed}  # the rest comes from cfg.rollout
-        engines["rollout"] = make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
-                                          cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args)
-    engines["sync"] = WeightSync(shared=shared)
+        e.rollout = make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
+                                 cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args)
+        if e.rollout.sleeps:  # vLLM beside FSDP2: it sleeps whenever a trainer computes
+            for trainer in (e.actor, e.ref, e.critic):
+                if trainer is not None:
+                    trainer.before_compute.append(e.rollout.sleep)
     if trains and not generates:
-        engines["weights"] = ActorWeights(actor)
+        e.weights = ActorWeights(e.actor, e.policy)
     elif generates and not trains:
-        engines["weights"] = RolloutWeights(engines["rollout"], gen_model)
-    if trains and cfg.algorithm.name == "ppo":
-        critic = build_critic_from(cfg.model.path, dtype=dtype)
-        engines["critic"] = TrainEngine(critic, cfg.critic,
-                                        process_group=ctx.groups.get("critic_update"),
-                                        micro_token_budget=cfg.critic.micro_token_budget, critic=True)
-    if generates and hasattr(engines["rollout"], "sleep"):  # vLLM beside FSDP2: it sleeps whenever a trainer computes
-        for name in ("actor", "ref", "critic"):
-            if name in engines:
-                engines[name].before_compute.append(engines["rollout"].sleep)
-    return engines
+        e.weights = RolloutWeights(e.rollout, e.policy, gen_model)
+    return e
 
 
 class ActorWeights:
-    """The training side of the weight sync: the actor's full state (an FSDP gather)."""
+    """The training side of the weight sync (`PolicyWeights`): the actor's full state (an FSDP
+    gather) at the policy's version."""
 
-    def __init__(self, actor: TrainEngine) -> None:
-        self.actor, self.version = actor, 0
+    def __init__(self, actor: TrainEngine, policy: Policy) -> None:
+        self.actor, self.policy = actor, policy
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
 
     def export_state(self) -> dict[str, torch.Tensor]:
         return self.actor.full_state_dict()
@@ -96,34 +155,26 @@ class ActorWeights:
 
 
 class RolloutWeights:
-    """The generation side: published weights go into the rollout engine."""
+    """The generation side (`PolicyWeights`): a published policy goes into the rollout engine
+    and becomes this worker's version."""
 
-    def __init__(self, rollout: Any, model: Any) -> None:
-        self.rollout, self.model, self.version = rollout, model, 0
+    def __init__(self, rollout: RolloutEngine, policy: Policy, model: torch.nn.Module | None) -> None:
+        self.rollout, self.policy = rollout, policy
         self._sum = state_checksum(model.state_dict()) if model is not None else 0.0
+
+    @property
+    def version(self) -> int:
+        return self.policy.version
 
     def export_state(self) -> None:
         return None
 
     def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.rollout.load_weights(state)
-        self.version, self._sum = version, state_checksum(state)
+        self.policy.version, self._sum = version, state_checksum(state)
 
     def checksum(self) -> float:
         return self._sum
-
-
-def policy_version(ctx: StageContext) -> int:
-    """The version of the policy this worker generates with (0 when nothing is published)."""
-    w = ctx.engines.get("weights")
-    return w.version if w is not None else 0
-
-
-def mark_updated(ctx: StageContext) -> None:
-    """After an optimizer step: a new policy version, published to a separate rollout group."""
-    w = ctx.engines.get("weights")
-    if w is not None:
-        w.version += 1
 
 
 def make_reward_fn(opts: RewardOptions) -> Callable[[str, str, str], float]:
@@ -137,22 +188,22 @@ def make_reward_fn(opts: RewardOptions) -> Callable[[str, str, str], float]:
 
 
 def sync_weights(ctx: StageContext) -> None:
-    """Push the actor's latest weights into the rollout engine if an update made them stale, or the
-    engine discarded its own (vLLM's level-2 sleep). The "weight_sync" span records the seconds,
-    the bytes gathered (each tensor once) and the tensors sent. Collective under FSDP: every
-    worker runs the rollout stage."""
-    sync: WeightSync = ctx.engines["sync"]
-    if "actor" not in ctx.engines:  # worker groups: the training group publishes, the worker pulls (weights.py)
+    """Colocated: push the actor's latest weights into the rollout engine if an update made them
+    stale, or the engine discarded its own (vLLM's level-2 sleep). The "weight_sync" span records
+    the seconds, the bytes gathered (each tensor once) and the tensors sent. Collective under
+    FSDP: every worker runs the rollout stage. (On worker groups the rollout pulls instead.)"""
+    e: RLEngines = ctx.engines
+    if e.actor is None or e.rollout is None or e.policy.shared:
         return
-    rollout, actor = ctx.engines["rollout"], ctx.engines["actor"]
-    if sync.shared or not (sync.stale or getattr(rollout, "needs_weights", False)):
+    if not (e.policy.stale or e.rollout.needs_weights):
         return
     stats = {"bytes": 0, "tensors": 0}
     with ctx.span("weight_sync") as span:
-        if getattr(rollout, "streams_weights", False):  # vLLM: bounded buckets, on the GPU, no host copy
-            rollout.load_weights(actor.weight_buckets(rollout.bucket_bytes, dtype=rollout.weight_dtype, stats=stats))
+        if e.rollout.streams_weights:  # vLLM: bounded buckets, on the GPU, no host copy
+            e.rollout.load_weights(e.actor.weight_buckets(e.rollout.bucket_bytes, dtype=e.rollout.weight_dtype,
+                                                          stats=stats))
         else:  # HF: its own module copy takes a full (CPU) state dict
-            rollout.load_weights(actor.full_state_dict(stats=stats))
+            e.rollout.load_weights(e.actor.full_state_dict(stats=stats))
         if span is not None:
             span.bytes, span.items = stats["bytes"], stats["tensors"]
-    sync.stale = False
+    e.policy.stale = False

@@ -7,6 +7,11 @@ Conventions: token tensors are [B, T] over the RESPONSE tokens only, `response_m
 Every estimator returns `(advantages, returns)`, both [B, T] and zero on padding.
 They run under `torch.no_grad()`: advantages are fixed targets, never differentiated.
 Inputs are never written in place (batches from the object store are read-only views).
+
+Data parallelism: each rank holds a shard of the batch. Whole-batch statistics (the
+whitening of REINFORCE++ and GAE) are all-reduced over the `group` given, so a sharded
+run equals one process on the whole batch (as verl). Group-relative estimators (GRPO,
+RLOO) need every response of a prompt on one rank, which the data plane keeps together.
 """
 from __future__ import annotations
 
@@ -14,8 +19,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
-
-from distflow_lab.models.token_ops import masked_mean
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from distflow_lab.core.batch import Batch
@@ -24,23 +28,52 @@ if TYPE_CHECKING:
 GroupIndex = Sequence | np.ndarray
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance over all masked elements: mean_m((x - mean_m(x))^2), times n / (n - 1) if unbiased.
+def _group_sum(t: torch.Tensor, group: "dist.ProcessGroup | None") -> torch.Tensor:
+    """t summed over the ranks of `group` (a new tensor); t itself with no group or no torch.distributed."""
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return t
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else t.device
+    out = t.to(dev, copy=True)  # nccl reduces only device tensors
+    dist.all_reduce(out, group=group)
+    return out.to(t.device)
 
-    n = sum(mask). Raises when the estimate is undefined (n == 0, or n == 1 with unbiased).
+
+def masked_moments(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
+                   group: "dist.ProcessGroup | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, var) over the masked elements of x on every rank of `group`:
+
+        n = sum m,  mean = sum(x m) / n,  var = sum((x - mean)^2 m) / n   (x n/(n-1) if unbiased)
+
+    Two all-reduces of sums (sum, count; then squared deviations around the GLOBAL mean), so
+    the result is whole-batch statistics to float precision, not a mean of per-rank ones.
+    Raises (on every rank alike: n is global) when undefined: n == 0, or n == 1 with unbiased.
     """
-    n = float(mask.sum())
-    if n < (2 if unbiased else 1):
-        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} masked elements, got {n:g}")
-    var = masked_mean((x - masked_mean(x, mask)) ** 2, mask)
-    return var * (n / (n - 1)) if unbiased else var
+    m = mask.to(x.dtype)
+    keep = mask.bool()
+    xm = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))  # NaN on padding cannot leak
+    s, n = _group_sum(torch.stack([(xm * m).sum(), m.sum()]), group).unbind()
+    if float(n) < (2 if unbiased else 1):
+        raise ValueError(f"masked_var needs at least {2 if unbiased else 1} masked elements, got {float(n):g}")
+    mean = s / n
+    sq = _group_sum(((xm - mean) ** 2 * m).sum(), group)
+    var = sq / n
+    return mean, var * (n / (n - 1)) if unbiased else var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean_m) / sqrt(var_m + 1e-8) with batch-wide masked stats (unbiased var);
-    with shift_mean=False the mean is added back (only the scale changes).
-    Padding positions are NOT zeroed here; callers multiply by the mask."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True,
+               group: "dist.ProcessGroup | None" = None) -> torch.Tensor:
+    """Variance over all masked elements (of every rank of `group`): mean_m((x - mean_m(x))^2),
+    times n / (n - 1) if unbiased. See `masked_moments`."""
+    return masked_moments(x, mask, unbiased, group)[1]
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  group: "dist.ProcessGroup | None" = None) -> torch.Tensor:
+    """(x - mean_m) / sqrt(var_m + 1e-8) with batch-wide masked stats (unbiased var), over the
+    rows of every rank of `group` (None: this process's rows); with shift_mean=False the mean
+    is added back (only the scale changes). Padding positions are NOT zeroed here; callers
+    multiply by the mask."""
+    mean, var = masked_moments(x, mask, True, group)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
     return out if shift_mean else out + mean
 
@@ -162,12 +195,14 @@ def discounted_returns(
 
 @torch.no_grad()
 def reinforce_plus_plus_advantage(
-    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+    group: "dist.ProcessGroup | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (arXiv:2501.03262): returns G_t = discounted_returns(r, gamma);
-    advantages = masked_whiten(G) over the whole batch (global, not per group), times the mask."""
+    advantages = masked_whiten(G) over the whole batch (global, not per group; all ranks of
+    `group`), times the mask."""
     returns = discounted_returns(token_rewards, response_mask, gamma)
-    return masked_whiten(returns, response_mask) * response_mask, returns
+    return masked_whiten(returns, response_mask, group=group) * response_mask, returns
 
 
 @torch.no_grad()
@@ -178,6 +213,7 @@ def gae_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten: bool = True,
+    group: "dist.ProcessGroup | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (arXiv:1506.02438), backward over response tokens.
 
@@ -187,7 +223,8 @@ def gae_advantage(
 
     V_{t+1} is the value of the next VALID token; after the last valid token it is 0
     (terminal), so values on padding never enter. Masked positions are skipped (A and V
-    carry through). With whiten=True (verl's default) advantages = masked_whiten(A).
+    carry through). With whiten=True (verl's default) advantages = masked_whiten(A) over
+    the whole batch (all ranks of `group`).
     Both outputs are zero on padding.
     """
     m = response_mask.to(values.dtype)
@@ -202,13 +239,14 @@ def gae_advantage(
         out.append(last_a)
     adv = torch.stack(out[::-1], dim=1)
     returns = (adv + values) * m
-    adv = masked_whiten(adv, m) if whiten else adv
+    adv = masked_whiten(adv, m, group=group) if whiten else adv
     return adv * m, returns
 
 
 # ---------------------------------------------------------------- the one registry
 
-Estimator = Callable[["Batch", "AlgorithmOptions"], tuple[torch.Tensor, torch.Tensor]]
+# fn(batch, algorithm options, data-parallel group of the advantage stage or None)
+Estimator = Callable[["Batch", "AlgorithmOptions", "dist.ProcessGroup | None"], tuple[torch.Tensor, torch.Tensor]]
 
 
 def token_rewards(batch: "Batch") -> torch.Tensor:
@@ -219,13 +257,24 @@ def token_rewards(batch: "Batch") -> torch.Tensor:
     return outcome_to_token_rewards(batch["scores"], batch["response_mask"])
 
 
+def outcome_scores(batch: "Batch") -> torch.Tensor:
+    """[B] score of each response for the outcome estimators: sum_t token_rewards when a
+    stage made that column (verl's `token_level_rewards.sum(-1)`, so a KL-shaped reward
+    reaches GRPO/RLOO too), else the `scores` column."""
+    if "token_rewards" in batch:
+        return batch["token_rewards"].sum(-1)
+    return batch["scores"]
+
+
 # Adding an estimator = one function returning (advantages, returns) + one line here;
-# an algorithm lists the estimators it supports in `algos.registry`.
+# an algorithm lists the estimators it supports in `algos.registry`. Group-relative ones
+# ignore the dp group (a prompt's responses share a rank); whitening ones all-reduce over it.
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": lambda b, alg: grpo_outcome_advantage(b["scores"], b["response_mask"], b["uid"]),
-    "dr_grpo": lambda b, alg: dr_grpo_outcome_advantage(b["scores"], b["response_mask"], b["uid"]),
-    "rloo": lambda b, alg: rloo_advantage(b["scores"], b["response_mask"], b["uid"]),
-    "reinforce_plus_plus": lambda b, alg: reinforce_plus_plus_advantage(token_rewards(b), b["response_mask"],
-                                                                        alg.gamma),
-    "gae": lambda b, alg: gae_advantage(token_rewards(b), b["values"], b["response_mask"], alg.gamma, alg.lam),
+    "grpo": lambda b, alg, group: grpo_outcome_advantage(outcome_scores(b), b["response_mask"], b["uid"]),
+    "dr_grpo": lambda b, alg, group: dr_grpo_outcome_advantage(outcome_scores(b), b["response_mask"], b["uid"]),
+    "rloo": lambda b, alg, group: rloo_advantage(outcome_scores(b), b["response_mask"], b["uid"]),
+    "reinforce_plus_plus": lambda b, alg, group: reinforce_plus_plus_advantage(token_rewards(b), b["response_mask"],
+                                                                               alg.gamma, group),
+    "gae": lambda b, alg, group: gae_advantage(token_rewards(b), b["values"], b["response_mask"], alg.gamma, alg.lam,
+                                               group=group),
 }

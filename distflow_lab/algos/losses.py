@@ -12,6 +12,29 @@ from distflow_lab.models.token_ops import (LOSS_AGG_MODES, aggregate_loss, entro
                                            log_probs_from_logits, masked_mean)
 
 
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped surrogate PPO and GSPO share, per token:
+
+        L = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+
+    Metrics (means over valid tokens): clipfrac, where the clipped branch is strictly larger
+    (was taken); approx_kl = mean(-log_ratio), the k1 estimate of KL(old || new).
+    """
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    with torch.no_grad():
+        metrics = {"clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
+                   "approx_kl": masked_mean(-log_ratio, response_mask).item()}
+    return torch.maximum(loss1, loss2), metrics
+
+
 def ppo_token_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -37,19 +60,13 @@ def ppo_token_loss(
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # exp() overflow guard
-    ratio = torch.exp(log_ratio)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clipped = torch.maximum(loss1, loss2)
+    clipped, metrics = clipped_surrogate(torch.exp(log_ratio), log_ratio, advantages, response_mask,
+                                         clip_ratio_low, clip_ratio_high)
     loss3 = -advantages * clip_ratio_c
     neg = advantages < 0
     loss_mat = torch.where(neg, torch.minimum(clipped, loss3), clipped)
     with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
-            "clipfrac_lower": masked_mean(((clipped > loss3) & neg).float(), response_mask).item(),
-            "approx_kl": masked_mean(-log_ratio, response_mask).item(),
-        }
+        metrics["clipfrac_lower"] = masked_mean(((clipped > loss3) & neg).float(), response_mask).item()
     return loss_mat, metrics
 
 
@@ -84,28 +101,16 @@ def gspo_token_loss(
     seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1)  # (1/|y_i|) sum_t, [B]
     log_s = (log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
     ratio = torch.exp(log_s)  # value s_i on every token; gradient s_i * grad log pi_t
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_mat = torch.maximum(loss1, loss2)
+    loss_mat, metrics = clipped_surrogate(ratio, log_ratio, advantages, response_mask, clip_ratio_low, clip_ratio_high)
     with torch.no_grad():
-        metrics = {
-            "clipfrac": masked_mean((loss2 > loss1).float(), response_mask).item(),
-            "ratio": masked_mean(ratio, response_mask).item(),
-            "approx_kl": masked_mean(-log_ratio, response_mask).item(),
-        }
+        metrics["ratio"] = masked_mean(ratio, response_mask).item()
     return loss_mat, metrics
 
 
-def policy_loss_ppo(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss_ppo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                    response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                    clip_ratio_c: float = 3.0,
+                    loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, dict[str, float]]:
     """`ppo_token_loss` aggregated to a scalar with `loss_agg_mode`."""
     loss_mat, metrics = ppo_token_loss(old_log_prob, log_prob, advantages, response_mask,
                                        clip_ratio_low, clip_ratio_high, clip_ratio_c)
@@ -171,6 +176,30 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-m
     return aggregate_loss(entropy, mask, agg)
 
 
+def value_loss_token(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float = 0.5,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token clipped value loss (PPO's critic, as verl's `compute_value_loss`):
+
+        v_clip = min(max(v, old - c), old + c)        (v itself inside the range, bit for bit)
+        L_t    = 0.5 * max((v - R)^2, (v_clip - R)^2) (pessimistic: the clip can only raise it)
+
+    Returns the [B, T] loss (aggregate it with `aggregate_loss`; the 0.5 is inside, so any
+    aggregation equals verl's 0.5 * agg_loss) and {"vf_clipfrac": fraction of valid tokens
+    where the clipped term is strictly larger}.
+    """
+    v_clip = torch.maximum(torch.minimum(values, old_values + cliprange_value), old_values - cliprange_value)
+    l1 = (values - returns) ** 2
+    l2 = (v_clip - returns) ** 2
+    with torch.no_grad():
+        clipfrac = masked_mean((l2 > l1).float(), mask).item()
+    return 0.5 * torch.maximum(l1, l2), {"vf_clipfrac": clipfrac}
+
+
 def value_loss_clipped(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -179,21 +208,17 @@ def value_loss_clipped(
     cliprange_value: float = 0.5,
     agg: str = "token-mean",
 ) -> tuple[torch.Tensor, float]:
-    """Clipped value loss: 0.5 * agg( max((v - R)^2, (v_clip - R)^2) ),
-    v_clip = clamp(v, old - c, old + c). Pessimistic: the clip can only raise the loss.
+    """`value_loss_token` aggregated: 0.5 * agg( max((v - R)^2, (v_clip - R)^2) ).
 
     Returns (loss, clipfrac) with clipfrac = fraction of valid tokens where the clipped term is larger.
     """
-    v_clip = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
-    l1 = (values - returns) ** 2
-    l2 = (v_clip - returns) ** 2
-    loss = 0.5 * aggregate_loss(torch.maximum(l1, l2), mask, agg)
-    clipfrac = masked_mean((l2 > l1).float(), mask).item()
-    return loss, clipfrac
+    loss_mat, metrics = value_loss_token(values, old_values, returns, mask, cliprange_value)
+    return aggregate_loss(loss_mat, mask, agg), metrics["vf_clipfrac"]
 
 
 def off_policy_weights(old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                       kind: str, cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+                       kind: str, cap: float = 2.0,
+                       behav_cap: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token importance weights that correct for samples generated by an older
     (behaviour) policy pi_b than the proximal policy pi_prox the trainer's `old_log_prob`
     pass evaluated (stale samples in the async schedules, rollout/trainer mismatch):
@@ -202,23 +227,34 @@ def off_policy_weights(old_log_prob: torch.Tensor, behaviour_log_prob: torch.Ten
 
     kind "decoupled": the decoupled PPO objective (Hilton et al., 2022, arXiv:2110.00641;
         as AReaL): L_t = w_t * PPO-clip(pi_theta / pi_prox) with w_t as is — the clip keeps
-        the update near the proximal policy, the weight corrects the sampling.
+        the update near the proximal policy, the weight corrects the sampling. With
+        `behav_cap` (AReaL's behav_imp_weight_cap): w_t = 0 where w_t > behav_cap, i.e. the
+        token leaves the loss's numerator (it still counts in the normaliser, as in AReaL).
     kind "tis": truncated importance sampling (Yao et al., 2025, "Your efficient RL framework
-        secretly brings you off-policy RL training"): w_t = min(w_t, cap).
+        secretly brings you off-policy RL training"; verl's token-level rollout-IS weights):
+        w_t = min(w_t, cap).
     kind "none": w_t = 1.
-    The weights carry no gradient. Metrics: mean and max of w over valid tokens, and the
-    fraction of tokens where the cap engaged."""
+    `behav_cap` belongs to "decoupled" only; giving it with another kind is an error.
+    The weights carry no gradient and are 0 on padding. Metrics, over valid tokens, of the
+    weights as applied: is_ratio_mean, is_ratio_max (reduce by max: the `_max` suffix);
+    is_capped_frac (tis: where the cap engaged) and behav_capped_frac (decoupled: tokens
+    masked out by behav_cap), 0.0 for the other kind.
+    """
+    if behav_cap is not None and kind != "decoupled":
+        raise ValueError(f"behav_cap (actor.behav_imp_weight_cap) applies to off_policy 'decoupled' only, got {kind!r}")
     if kind == "none":
         return torch.ones_like(old_log_prob), {}
     if kind not in ("decoupled", "tis"):
         raise ValueError(f"unknown off-policy correction {kind!r}; use 'none', 'decoupled' or 'tis'")
     with torch.no_grad():
         w = torch.exp((old_log_prob - behaviour_log_prob).clamp(-20.0, 20.0))
-        capped = w > cap
-        if kind == "tis":
-            w = torch.where(capped, torch.full_like(w, cap), w)
         valid = response_mask.bool()
+        capped = (w > cap) if kind == "tis" else torch.zeros_like(valid)
+        dropped = (w > behav_cap) if behav_cap is not None else torch.zeros_like(valid)
+        w = torch.where(capped, torch.full_like(w, cap), w)
+        w = torch.where(dropped, torch.zeros_like(w), w)
         metrics = {"is_ratio_mean": masked_mean(w, response_mask).item(),
                    "is_ratio_max": float(w[valid].max()) if valid.any() else 0.0,
-                   "is_capped_frac": masked_mean(capped.float(), response_mask).item() if kind == "tis" else 0.0}
+                   "is_capped_frac": masked_mean(capped.float(), response_mask).item(),
+                   "behav_capped_frac": masked_mean(dropped.float(), response_mask).item()}
     return w * response_mask, metrics

@@ -7,8 +7,8 @@ builder, and one line in ALGORITHMS.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from distflow_lab.core.config import ConfigError, RunConfig
 from distflow_lab.graph.nodes import resolve_function
@@ -22,6 +22,7 @@ class Algorithm:
     dag: str  # "module:function" building its DAG from (cfg, data_path); named, so checking a config imports no torch
     estimators: tuple[str, ...]  # supported advantage estimators (names in estimators.ESTIMATORS); first = default
     check: Callable[[RunConfig], None] | None = None  # its own config rules (torch-free); errors name the field
+    actor: Mapping[str, float] = field(default_factory=dict)  # its paper's actor options, where the user set none
 
 
 def _loss_agg_is(cfg: RunConfig, mode: str, why: str) -> None:
@@ -51,8 +52,12 @@ def check_gspo(cfg: RunConfig) -> None:
 ALGORITHMS: dict[str, Algorithm] = {
     "grpo": Algorithm("distflow_lab.algos.grpo:grpo_dag", ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")),
     "ppo": Algorithm("distflow_lab.algos.ppo:ppo_dag", ("gae",)),
-    "dapo": Algorithm("distflow_lab.algos.dapo:dapo_dag", ("grpo", "dr_grpo", "rloo"), check_dapo),
-    "gspo": Algorithm("distflow_lab.algos.gspo:gspo_dag", ("grpo", "dr_grpo", "rloo"), check_gspo),
+    # DAPO: the paper's eps_high 0.28 (clip-higher), and verl's recipe's dual clip c = 10 (the paper has none)
+    "dapo": Algorithm("distflow_lab.algos.dapo:dapo_dag", ("grpo", "dr_grpo", "rloo"), check_dapo,
+                      actor={"clip_ratio_high": 0.28, "clip_ratio_c": 10.0}),
+    # GSPO: the paper's sequence-ratio clip range; PPO's 0.2 would be close to no clipping at all
+    "gspo": Algorithm("distflow_lab.algos.gspo:gspo_dag", ("grpo", "dr_grpo", "rloo"), check_gspo,
+                      actor={"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}),
 }
 
 
@@ -73,7 +78,15 @@ def check_run_config(cfg: RunConfig) -> None:
 
 
 def with_defaults(cfg: RunConfig) -> RunConfig:
-    """`cfg` checked, with the algorithm's default estimator filled in."""
+    """`cfg` checked, with the algorithm's defaults filled in where the user set nothing: its
+    default estimator and its paper's actor options (`Algorithm.actor`)."""
+    alg = ALGORITHMS[cfg.algorithm.name] if cfg.algorithm.name in ALGORITHMS else None
+    if alg is not None:
+        unset = {k: v for k, v in alg.actor.items() if k not in cfg.actor.model_fields_set}
+        if unset:
+            actor = cfg.actor.model_copy(update=unset)
+            actor.model_fields_set.update(unset)  # explicit from here on: applying defaults twice changes nothing
+            cfg = cfg.model_copy(update={"actor": actor})
     check_run_config(cfg)
     if cfg.algorithm.adv_estimator is not None:
         return cfg

@@ -1,6 +1,6 @@
 """An RL run from a RunConfig: prepare model and data (offline, cached), open a
 session on Ray, train, write what happened. `distflow-lab run` and the notebooks
-use the same functions.
+use the same functions (`lab.rl_session`, `lab.rl_dag`, `lab.run_config` are here).
 
 Where outputs go: `out` when given (refused if it already holds a run, unless
 `overwrite`), else a new numbered folder `runs/<config name>/run-NNN` under the
@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pyarrow.parquet as pq
 
 from distflow_lab.algos.registry import build_dag, with_defaults
 from distflow_lab.algos.sft import warm_start
+from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.api.session import Session
 from distflow_lab.core.config import ConfigError, RunConfig, parse_run_config
 from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
@@ -28,10 +30,7 @@ from distflow_lab.models.model_dir import ensure_tiny_model, has_model
 from distflow_lab.observe.report import write_report
 from distflow_lab.observe.trace import to_chrome_trace
 from distflow_lab.observe.trackers import close_all, log_step, make_loggers
-from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.runtime.checkpoint_files import latest_checkpoint
-
-ENGINES = "distflow_lab.algos.engine_setup:setup_engines"
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -45,10 +44,11 @@ def prepare_data(cfg: RunConfig) -> str:
     path, checked against the verl schema before any worker starts."""
     root = Path(cfg.data.cache_dir)
     if cfg.data.train == "arithmetic":
-        path = root / f"arithmetic-{cfg.data.arithmetic_rows}-max{cfg.data.arithmetic_max_operand}-s{cfg.seed}.parquet"
+        seed = cfg.session.seed
+        path = root / f"arithmetic-{cfg.data.arithmetic_rows}-max{cfg.data.arithmetic_max_operand}-s{seed}.parquet"
         if not path.exists():
             root.mkdir(parents=True, exist_ok=True)
-            write_arithmetic_parquet(path, cfg.data.arithmetic_rows, cfg.seed, max_operand=cfg.data.arithmetic_max_operand)
+            write_arithmetic_parquet(path, cfg.data.arithmetic_rows, seed, max_operand=cfg.data.arithmetic_max_operand)
     elif cfg.data.train == "gsm8k":
         path = root / "gsm8k-train.parquet"
         if not path.exists():
@@ -58,7 +58,7 @@ def prepare_data(cfg: RunConfig) -> str:
         path = Path(cfg.data.train)
     validate_table(read_table(path), path)  # names the file and the missing column
     rows = pq.ParquetFile(path).metadata.num_rows
-    dp = cfg.cluster.world_size // cfg.rollout.tp
+    dp = cfg.session.cluster.world_size // cfg.rollout.tp
     if rows < cfg.data.prompts_per_step:
         raise ConfigError(f"{path} has {rows} rows, fewer than data.prompts_per_step={cfg.data.prompts_per_step}")
     if rows // dp < cfg.data.prompts_per_step // dp:
@@ -74,7 +74,7 @@ def prepare_model(cfg: RunConfig, data_path: str, progress: bool = True) -> RunC
     if not has_model(path):
         if cfg.model.tiny is None:
             raise ConfigError(f"model.path {path} holds no model (config.json + weights) and model.tiny is null")
-        ensure_tiny_model(path, cfg.model.tiny, seed=cfg.seed)
+        ensure_tiny_model(path, cfg.model.tiny, seed=cfg.session.seed)
     context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
     need = cfg.data.max_prompt_len + cfg.rollout.max_response_len
     if context and need > context:
@@ -91,10 +91,31 @@ def prepare(cfg: RunConfig, progress: bool = True) -> tuple[RunConfig, str]:
     return prepare_model(cfg, data_path, progress), data_path
 
 
-def open_session(cfg: RunConfig, progress: bool = True, dag: DAG | None = None) -> Session:
-    """Prepare data and model, then start the workers (engines built on each)."""
+def open_session(cfg: RunConfig, progress: bool = True, dag: DAG | None = None, **options: Any) -> Session:
+    """Prepare data and model, then start the workers (engines built on each). `options` are
+    session options over the config's (`lab.OPTIONS`: mode, switches, ...)."""
     cfg, data_path = prepare(cfg, progress)
-    return Session(dag or build_dag(cfg, data_path), cfg, engines=ENGINES)
+    return Session(dag or build_dag(cfg, data_path), cfg, **options)
+
+
+def rl_session(config: str | RunConfig = "tiny-cpu-grpo", overrides: list[str] | None = None,
+               dag: DAG | None = None, progress: bool = True, **options: Any) -> Session:
+    """A GRPO/PPO session from a preset or YAML (plus overrides): prepares the model
+    (SFT warm start, cached) and data, then starts the workers. Pass `dag` to run a
+    modified DAG (e.g. `lab.rl_dag(cfg).replace("advantage", fn=my_fn)`)."""
+    cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
+    return open_session(cfg, progress, dag, **options)
+
+
+def rl_dag(cfg: RunConfig | str, overrides: list[str] | None = None) -> DAG:
+    """The built-in DAG of a run config (GRPO, PPO, ...), for editing before `rl_session`."""
+    cfg = cfg if isinstance(cfg, RunConfig) else load_run_config(cfg, overrides)
+    return build_dag(cfg, prepare_data(cfg))
+
+
+def run_config(preset: str = "tiny-cpu-grpo", overrides: list[str] | None = None) -> RunConfig:
+    """`load_run_config` with the tiny GRPO preset as the default (`lab.run_config`)."""
+    return load_run_config(preset, overrides)
 
 
 def write_outputs(session: Session, out: str | Path) -> dict[str, Path]:

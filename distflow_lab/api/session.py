@@ -12,19 +12,19 @@ and the benchmarks hold; underneath it is one `Controller` with one data plane.
 """
 from __future__ import annotations
 
+import functools
 import html
 import inspect
 import json
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterator, Literal
 
-import numpy as np
 import pandas as pd
 
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import (SWITCHES_BY_MODE, Balance, ClusterOptions, ConfigError, RunConfig,
-                                      ProfileOptions, ScheduleOptions, SessionConfig, Switches, check_schedule,
-                                      check_switches, load_model)
+from distflow_lab.core.config import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, ConfigError, Mode,
+                                      ProfileOptions, RunConfig, ScheduleOptions, SessionConfig, Switches,
+                                      check_schedule, check_switches, load_model)
 from distflow_lab.dataplane.centralized import CentralizedPlane
 from distflow_lab.dataplane.coordinator import CoordinatorPlane
 from distflow_lab.dataplane.distributed import DistributedPlane
@@ -32,15 +32,13 @@ from distflow_lab.dataplane.interface import DataPlane, Routing
 from distflow_lab.dataplane.partition import workload_coeffs
 from distflow_lab.graph.dag import DAG
 from distflow_lab.runtime.controller import Controller
-from distflow_lab.runtime.results import StageReport, StepReport
 
-PLANES: dict[str, Callable[[], DataPlane]] = {
-    "centralized": CentralizedPlane, "coordinator": CoordinatorPlane, "distributed": DistributedPlane,
-}
+PLANES: dict[str, Callable[[], DataPlane]] = {p.mode: p for p in (CentralizedPlane, CoordinatorPlane, DistributedPlane)}
+assert tuple(sorted(PLANES)) == tuple(sorted(MODES)), "one data plane per mode"
 
 
 def session_config(base: SessionConfig | dict | None = None, *,
-                   mode: Literal["centralized", "coordinator", "distributed"] | None = None,
+                   mode: Mode | None = None,
                    seed: int | None = None, keep_outputs: bool | None = None, history_steps: int | None = None,
                    # cluster
                    world_size: int | None = None, cpus_per_worker: float | None = None,
@@ -111,17 +109,37 @@ def _configure(base: SessionConfig | dict | None, options: dict[str, Any]) -> Se
     return session_config(base, **options)
 
 
+def _from_controller(name: str) -> Callable:
+    """A Session method that is the controller's own, as it is: its signature and docstring are
+    the controller's (one definition, in runtime/controller.py), and it calls the session's
+    current controller (`reopen` replaces it)."""
+    @functools.wraps(getattr(Controller, name))
+    def method(self: "Session", *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.controller, name)(*args, **kwargs)
+
+    method.__module__, method.__qualname__ = __name__, f"Session.{name}"
+    return method
+
+
+def _controller_value(name: str, doc: str | None = None) -> property:
+    """A read-only Session attribute that is the current controller's (documented there when it
+    is a property there)."""
+    return property(lambda self: getattr(self.controller, name),
+                    doc=doc or getattr(getattr(Controller, name, None), "__doc__", None))
+
+
 class Session:
-    """A running DAG on Ray workers. Every method delegates to the controller
-    (`self.controller`) or to a figure function in `observe`."""
+    """A running DAG on Ray workers. What the controller (`self.controller`) has, the session
+    has as it is (the table below); a figure comes from a function in `observe`."""
 
     def __init__(self, dag: DAG, config: SessionConfig | RunConfig | dict | None = None,
                  engines: str | Callable | None = None, **options: Any) -> None:
         if isinstance(config, RunConfig):
+            from distflow_lab.algos.engine_setup import setup_engines
             from distflow_lab.algos.registry import check_run_config
 
             check_run_config(config)
-            engines = engines or "distflow_lab.algos.engine_setup:setup_engines"
+            engines = engines or setup_engines
             config = config.session_config()
         self.dag, self._engines = dag, engines
         self._config = _configure(config, options)
@@ -131,15 +149,28 @@ class Session:
         self.previous: dict[str, pd.DataFrame] = {}  # spans of earlier modes (reopen), for side-by-side figures
         self.previous_metrics: dict[str, pd.DataFrame] = {}
 
+    # ---- the controller's own, as they are ------------------------------------------
+    step_stage = _from_controller("step_stage")
+    step = _from_controller("step")
+    resume = _from_controller("resume")
+    close = _from_controller("close")
+    items = _from_controller("items")
+    ledger = _from_controller("ledger")
+    redistribution_lengths = _from_controller("redistribution_lengths")
+    save_checkpoint = _from_controller("save_checkpoint")
+    load_checkpoint = _from_controller("load_checkpoint")
+    mode = _controller_value("mode", "The data plane: centralized, coordinator or distributed.")
+    plan = _controller_value("plan", "The linearized plan: stages with their layouts, edges local or redistribute.")
+    config = _controller_value("config", "The SessionConfig running now (the algorithm's config is `.algo`).")
+    workers = _controller_value("workers", "The DAG worker actors, in rank order.")
+    spans = _controller_value("spans", "Every span so far: step, stage, worker (-1: the driver), node, phase, start, "
+                                       "end, bytes, items, tokens, cache_hit.")
+    metrics = _controller_value("metrics", "One row per step: every metric the stages logged.")
+    history = _controller_value("history", "The latest StepReports (up to `history_steps`).")
+    retries = _controller_value("retries", "Steps run again after a data-plane actor was lost.")
+    bytes_to_driver = _controller_value("bytes_to_driver")
+
     # ---- running ------------------------------------------------------------------
-    def step_stage(self) -> StageReport:
-        """Run the next stage on every worker."""
-        return self.controller.step_stage()
-
-    def step(self) -> StepReport:
-        """Finish the current step."""
-        return self.controller.step()
-
     def run(self, steps: int, progress: bool = True) -> pd.DataFrame:
         """Run `steps` steps with a progress bar; returns their metrics."""
         if steps < 1:
@@ -169,13 +200,6 @@ class Session:
         self._config = config
         return self
 
-    def resume(self, directory: str | Path | None = None) -> int:
-        """Restart the workers and data-plane actors and load a checkpoint (the last one by default)."""
-        return self.controller.resume(directory)
-
-    def close(self) -> None:
-        self.controller.close()
-
     def __enter__(self) -> "Session":
         return self
 
@@ -183,42 +207,6 @@ class Session:
         self.close()
 
     # ---- what happened -----------------------------------------------------------------
-    @property
-    def mode(self) -> str:
-        return self.controller.mode
-
-    @property
-    def plan(self):
-        return self.controller.plan
-
-    @property
-    def config(self) -> SessionConfig:
-        return self.controller.config
-
-    @property
-    def workers(self) -> list:
-        return self.controller.workers
-
-    @property
-    def spans(self) -> pd.DataFrame:
-        return self.controller.spans
-
-    @property
-    def metrics(self) -> pd.DataFrame:
-        return self.controller.metrics
-
-    @property
-    def history(self):
-        return self.controller.history
-
-    @property
-    def retries(self) -> list[dict]:
-        return self.controller.retries
-
-    @property
-    def bytes_to_driver(self) -> int:
-        return self.controller.bytes_to_driver
-
     @property
     def cursor(self) -> tuple[int, str]:
         """(step, next stage id)."""
@@ -236,18 +224,6 @@ class Session:
     def output(self, stage: str, worker: int = 0, n: int | None = None) -> Batch:
         """The raw Batch of `stage`'s latest output on `worker` (its first `n` rows; all by default)."""
         return self.controller.peek(stage, worker, n=10**12 if n is None else n)
-
-    def redistribution_lengths(self) -> dict[str, tuple[np.ndarray, int]]:
-        """For each redistribute edge: (item token lengths of the latest step, consumers' dp size)."""
-        return self.controller.redistribution_lengths()
-
-    def items(self) -> pd.DataFrame:
-        """Per (step, stage, item): its id, token length, producing worker and input route (metadata only)."""
-        return self.controller.items()
-
-    def ledger(self) -> pd.DataFrame:
-        """Items in/out of the data plane per (step, edge): nothing lost, nothing duplicated."""
-        return self.controller.ledger()
 
     # ---- pictures --------------------------------------------------------------------------
     def timeline(self, steps: list[int] | None = None, last: int = 2):
@@ -303,39 +279,25 @@ class Session:
 
     def lineage(self, item: int | str) -> pd.DataFrame:
         """The path of one item (its `item_id`, or every item of a `uid` prompt): stage, worker,
-        node, how it arrived (local cache, buffer, coordinator, driver), its bytes and policy version."""
-        items = self.items()
-        if isinstance(item, str):
-            ids = set()
-            for st in self.plan.stages:  # the uid column lives on the batches; its rows' ids on the workers
-                for w in st.ranks:
-                    if st.group_rank(w) != 0:
-                        continue
-                    try:
-                        b = self.output(st.id, worker=w)
-                    except KeyError:
-                        continue
-                    if "uid" in b and "item_id" in b:
-                        ids |= {int(i) for u, i in zip(b["uid"].tolist(), b["item_id"].tolist()) if str(u) == item}
-            rows = items[items["item_id"].isin(ids)]
-        else:
-            rows = items[items["item_id"] == item]
-        if not len(rows):
-            raise KeyError(f"no recorded item {item!r} (run a step first; a uid needs keep_outputs)")
-        nodes = dict(enumerate(self.controller.placement.worker_nodes)) if self.controller.placement else {}
-        spans = self.spans
-        per_item = (spans[spans.phase.isin(["get", "dispatch", "cache_hit"])]
-                    .groupby(["step", "stage", "worker"])[["bytes", "items"]].sum())
-        out = rows.assign(node=rows["worker"].map(lambda w: str(nodes.get(w, "?"))[:8]))
-        hop = {"cache": "local cache", "buffer": "DataBuffer", "coordinator": "coordinator", "driver": "driver",
-               "loader": "loader", "none": "-"}
-        out = out.assign(hop=out["route_in"].map(hop))
-        key = list(zip(out["step"], out["stage"], out["worker"]))
-        moved = per_item.reindex(key)
-        out = out.assign(bytes=(moved["bytes"] / moved["items"].clip(lower=1)).fillna(0).astype(int).to_numpy())
-        return out.sort_values(["item_id", "step", "stage_index"])[
-            ["item_id", "step", "update", "stage", "worker", "node", "hop", "bytes", "tokens", "version"]
-        ].reset_index(drop=True)
+        node, how it arrived (local cache, buffer, coordinator, driver), its bytes and policy version
+        (`observe.lineage`)."""
+        from distflow_lab.observe.lineage import lineage, uid_item_ids
+
+        ids = uid_item_ids(self._kept_outputs(), item) if isinstance(item, str) else {item}
+        placement = self.controller.placement
+        nodes = dict(enumerate(placement.worker_nodes)) if placement else {}
+        return lineage(self.items(), self.spans, ids, nodes, label=item)
+
+    def _kept_outputs(self) -> Iterator[Batch]:
+        """Each stage's latest output on each of its writing workers (those that hold one)."""
+        for st in self.plan.stages:
+            for w in st.ranks:
+                if st.group_rank(w) != 0:
+                    continue
+                try:
+                    yield self.output(st.id, worker=w)
+                except KeyError:
+                    continue
 
     def sankey(self, edge: str | None = None, step: int | list[int] | None = None):
         """Bytes between workers on `edge` (a name like "advantage->old_log_prob"; None: every
@@ -383,13 +345,6 @@ class Session:
 
         return write_report(self, path, extra_spans=self.previous or None)
 
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self, directory: str | Path) -> Path:
-        return self.controller.save_checkpoint(directory)
-
-    def load_checkpoint(self, directory: str | Path) -> int:
-        return self.controller.load_checkpoint(directory)
-
     def __repr__(self) -> str:
         c = self.controller
         return (f"Session({self.dag.name!r}, mode={self.mode}, workers={len(c.workers)}, step={c.step_index}, "
@@ -413,32 +368,4 @@ def session(dag: DAG, config: SessionConfig | RunConfig | dict | None = None, en
     return Session(dag, config, engines, **options)
 
 
-def rl_session(config: str | RunConfig = "tiny-cpu-grpo", overrides: list[str] | None = None,
-               dag: DAG | None = None, progress: bool = True, **options: Any) -> Session:
-    """A GRPO/PPO session from a preset or YAML (plus overrides): prepares the model
-    (SFT warm start, cached) and data, then starts the workers. Pass `dag` to run a
-    modified DAG (e.g. `lab.rl_dag(cfg).replace("advantage", fn=my_fn)`)."""
-    from distflow_lab.algos.registry import build_dag
-    from distflow_lab.api.runner import load_run_config, prepare
-
-    cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
-    cfg, data_path = prepare(cfg, progress)
-    return Session(dag or build_dag(cfg, data_path), cfg, **options)
-
-
-def rl_dag(cfg: RunConfig | str, overrides: list[str] | None = None) -> DAG:
-    """The built-in DAG of a run config (GRPO, PPO, ...), for editing before `rl_session`."""
-    from distflow_lab.algos.registry import build_dag
-    from distflow_lab.api.runner import load_run_config, prepare_data
-
-    cfg = cfg if isinstance(cfg, RunConfig) else load_run_config(cfg, overrides)
-    return build_dag(cfg, prepare_data(cfg))
-
-
-def run_config(preset: str = "tiny-cpu-grpo", overrides: list[str] | None = None) -> RunConfig:
-    from distflow_lab.api.runner import load_run_config
-
-    return load_run_config(preset, overrides)
-
-
-__all__ = ["Session", "session", "rl_session", "rl_dag", "run_config", "session_config", "OPTIONS", "PLANES"]
+__all__ = ["Session", "session", "session_config", "OPTIONS", "PLANES"]

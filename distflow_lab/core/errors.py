@@ -77,6 +77,18 @@ class CoordinatorLost(PlaneLost):
     """The metadata coordinator actor died during a step."""
 
 
+class PolicyNotPublished(StageError):
+    """On worker groups: a training segment ended without leaving the policy at the next
+    version (update t must leave version t + 1): the actor-update stage must advance it,
+    or generation never sees a newer policy and every batch goes stale."""
+
+
+class StaleBatches(StageError):
+    """On worker groups: batch after batch came out too stale to train on (older than
+    max_staleness), with no update in between: the policy version is not advancing, or
+    generation is too slow for max_staleness."""
+
+
 class SessionBroken(FriendlyError, RuntimeError):
     """The workers cannot run another step (some are dead or stuck) until `resume()`."""
 

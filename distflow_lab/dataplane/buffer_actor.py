@@ -32,18 +32,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import warnings
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ray
 
-from distflow_lab.dataplane.double_buffer import DoubleBuffer
 from distflow_lab.dataplane.interface import Routing
 from distflow_lab.dataplane.routing import route
+from distflow_lab.dataplane.step_state import StepState
 
 
 class BufferError(RuntimeError):
@@ -65,17 +62,6 @@ class _Edge:
     piece_ready: dict[int, asyncio.Event] = field(default_factory=dict)
 
 
-@dataclass
-class _Count:
-    step: int
-    edge: str
-    items_reported: int = 0
-    items_in: int = 0
-    items_out: int = 0
-    pieces_in: int = 0
-    pieces_out: int = 0
-
-
 def _n_rows(rows: slice | np.ndarray) -> int:
     return rows.stop - rows.start if isinstance(rows, slice) else len(rows)
 
@@ -85,65 +71,28 @@ class DataBuffer:
     def __init__(self, index: int, double_buffer: bool = True, wait_timeout_s: float = 120.0) -> None:
         self.index = index
         self.wait_timeout_s = wait_timeout_s
-        self._store = DoubleBuffer(double_buffer)
-        self._counts: dict[tuple[int, str], _Count] = {}
-        self._done: deque[_Count] = deque(maxlen=10_000)
-        self._aborted: dict[int, str] = {}
-        # A restarted buffer has lost its state: refuse the steps in flight until the
-        # driver has reset them (reset_step), instead of waiting for pieces that never come.
-        with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
-            warnings.simplefilter("ignore")
-            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        self._accept_from = float("inf") if restarted else float("-inf")
+        self.steps = StepState(double_buffer, _Edge, f"buffer {index}", "data", BufferError, BufferRestarted)
         self.node_id = ray.get_runtime_context().get_node_id()
         gc.collect()
         gc.freeze()  # keep the event loop's GC pauses short (Ray's own objects are many)
 
     # ---- helpers --------------------------------------------------------------
-    def _edge(self, step: int, edge: str) -> _Edge:
-        if step < self._accept_from:
-            raise BufferRestarted(f"buffer {self.index} was restarted: the data of step {step} edge {edge} is lost")
-        if step in self._aborted:
-            raise BufferError(f"step {step} was aborted: {self._aborted[step]}")
-        store = self._store.store(step)
-        e = store.get(edge)
-        if e is None:
-            e = store[edge] = _Edge()
-        return e
-
-    def _count(self, step: int, edge: str) -> _Count:
-        c = self._counts.get((step, edge))
-        if c is None:
-            c = self._counts[(step, edge)] = _Count(step, edge)
-        return c
-
-    def _pop_counts(self, closed: Callable[[int], bool], suffix: str = "") -> list[dict]:
-        """Move the counts of the `closed` steps to the finished ones (their edge name
-        + `suffix`); returns them as ledger rows."""
-        rows = []
-        for key in [k for k in self._counts if closed(k[0])]:
-            c = self._counts.pop(key)
-            c.edge += suffix
-            self._done.append(c)
-            rows.append({**c.__dict__, "buffer": self.index})
-        return rows
-
     async def _wait(self, event: asyncio.Event, step: int, what: str) -> None:
         try:
             await asyncio.wait_for(event.wait(), self.wait_timeout_s)
         except asyncio.TimeoutError:
             raise BufferError(f"buffer {self.index}: timed out after {self.wait_timeout_s:.0f}s waiting for {what}") from None
-        if step in self._aborted:
-            raise BufferError(f"step {step} was aborted while waiting for {what}: {self._aborted[step]}")
+        if step in self.steps.aborted:
+            raise BufferError(f"step {step} was aborted while waiting for {what}: {self.steps.aborted[step]}")
 
     # ---- protocol -------------------------------------------------------------
     async def report(self, step: int, edge: str, producer: int, lengths: np.ndarray, n_producers: int,
                      n_consumers: int, routing: Routing, count: bool, groups: np.ndarray | None = None) -> None:
         """A producer's item lengths (sent to every buffer; counted only by the
         producer's own). When all producers reported, plan the routing."""
-        e = self._edge(step, edge)
+        e = self.steps.entry(step, edge)
         if count:
-            self._count(step, edge).items_reported += len(lengths)
+            self.steps.count(step, edge).items_reported += len(lengths)
         if producer in e.lengths:
             raise BufferError(f"step {step} edge {edge}: producer {producer} reported twice")
         e.lengths[producer], e.groups[producer] = np.asarray(lengths), groups
@@ -162,7 +111,7 @@ class DataBuffer:
 
     async def plan(self, step: int, edge: str, producer: int) -> list[np.ndarray]:
         """Rows of `producer` for each consumer (local indices, ascending). Waits for all producers."""
-        e = self._edge(step, edge)
+        e = self.steps.entry(step, edge)
         await self._wait(e.plan_ready, step, f"all producers' lengths on step {step} edge {edge} "
                                               f"(have producers {sorted(e.lengths)})")
         return e.pieces_for_producer[producer]
@@ -171,8 +120,8 @@ class DataBuffer:
                         n_producers: int) -> None:
         """One object from `producer` holding the rows of every consumer on this
         node; consumer c's rows are the contiguous `slices[c]` = (start, stop)."""
-        e = self._edge(step, edge)
-        c = self._count(step, edge)
+        e = self.steps.entry(step, edge)
+        c = self.steps.count(step, edge)
         c.pieces_in += 1
         for consumer, (start, stop) in slices.items():
             got = e.pieces.setdefault(consumer, {})
@@ -189,7 +138,7 @@ class DataBuffer:
         sent without waiting for a plan. The last producer in makes the plan and hands each
         consumer its rows (indices) of every producer's object."""
         await self.report(step, edge, producer, lengths, n_producers, n_consumers, routing, True, groups)
-        e, c = self._edge(step, edge), self._count(step, edge)
+        e, c = self.steps.entry(step, edge), self.steps.count(step, edge)
         e.wholes[producer] = ref[0]
         c.pieces_in += 1
         c.items_in += len(lengths)
@@ -203,13 +152,13 @@ class DataBuffer:
                          count_as_out: bool) -> list[tuple]:
         """(ref, rows) of the consumer's rows from each producer, in producer order; rows is a
         slice (`add_piece`) or an index array (`add_whole`)."""
-        e = self._edge(step, edge)
+        e = self.steps.entry(step, edge)
         ready = e.piece_ready.setdefault(consumer, asyncio.Event())
         await self._wait(ready, step, f"pieces for consumer {consumer} on step {step} edge {edge} "
                                       f"(have producers {sorted(e.pieces.get(consumer, {}))} of {n_producers})")
         got = [e.pieces[consumer][p] for p in range(n_producers)]
         if count_as_out:
-            c = self._count(step, edge)
+            c = self.steps.count(step, edge)
             c.pieces_out += len(got)
             c.items_out += sum(_n_rows(rows) for _, rows in got)
         return got
@@ -219,36 +168,29 @@ class DataBuffer:
         """Release the step's store (background with the double buffer). Returns the
         critical-path seconds and the step's item counts (the driver keeps them: they
         survive this actor)."""
-        counts = self._pop_counts(lambda s: s <= step)
-        return self._store.release(step), counts
+        return self.steps.end(step)
 
     async def reset_step(self, step: int) -> list[dict]:
-        """Forget an aborted attempt of `step` so it can run again (its partial
-        counts stay in the ledger, marked as an aborted attempt)."""
-        aborted = self._pop_counts(lambda s: s == step, " (aborted attempt)")
-        self._aborted.pop(step, None)
-        self._accept_from = min(self._accept_from, step)
-        self._store.release(step)
-        return aborted
+        """Forget an aborted attempt of `step` so it can run again."""
+        return self.steps.reset(step)
 
     async def abort(self, step: int, reason: str) -> None:
         """Fail every waiter of `step` (a worker died or a stage raised) so nobody hangs."""
-        self._aborted[step] = reason
-        for e in self._store.store(step).values():
+        for e in self.steps.abort(step, reason):
             e.plan_ready.set()
             for ev in e.piece_ready.values():
                 ev.set()
 
     async def ledger(self) -> list[dict]:
-        rows = [*self._done, *self._counts.values()]
-        return [{**c.__dict__, "buffer": self.index} for c in rows]
+        return self.steps.ledger()
 
     async def stats(self) -> dict:
-        return {"index": self.index, "node_id": self.node_id, "open_steps": self._store.steps(),
-                "releases": self._store.releases, "double_buffer": self._store.enabled}
+        store = self.steps.store
+        return {"index": self.index, "node_id": self.node_id, "open_steps": store.steps(),
+                "releases": store.releases, "double_buffer": store.enabled}
 
     async def drain(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._store.drain)
+        await asyncio.get_running_loop().run_in_executor(None, self.steps.store.drain)
 
     async def ping(self) -> str:
         return self.node_id

@@ -26,18 +26,15 @@ import asyncio
 import gc
 import os
 import time
-import warnings
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import ray
 
-from distflow_lab.dataplane.double_buffer import DoubleBuffer
 from distflow_lab.dataplane.interface import Routing
 from distflow_lab.dataplane.routing import route
+from distflow_lab.dataplane.step_state import StepState
 
 
 class CoordinatorError(RuntimeError):
@@ -58,61 +55,17 @@ class _Edge:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-@dataclass
-class _Count:
-    step: int
-    edge: str
-    items_reported: int = 0
-    items_in: int = 0
-    items_out: int = 0
-    pieces_in: int = 0
-    pieces_out: int = 0
-
-
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class Coordinator:
     def __init__(self, double_buffer: bool = True, wait_timeout_s: float = 120.0) -> None:
         self.wait_timeout_s = wait_timeout_s
-        self._store = DoubleBuffer(double_buffer)
-        self._counts: dict[tuple[int, str], _Count] = {}
-        self._done: deque[_Count] = deque(maxlen=10_000)
-        self._aborted: dict[int, str] = {}
+        self.steps = StepState(double_buffer, _Edge, "the coordinator", "metadata", CoordinatorError,
+                               CoordinatorRestarted)
         self.calls = 0  # metadata calls served (publish + get_meta), for the benchmarks
         self.meta_bytes = 0  # bytes of lengths and row indices in and out: metadata only, never a payload
         self.busy_s = 0.0  # seconds spent handling calls (routing included, waiting excluded)
-        with warnings.catch_warnings():  # Ray 2.60 warns about an attribute it uses inside this property
-            warnings.simplefilter("ignore")
-            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        # A restarted coordinator lost its state: refuse the steps in flight until the driver resets them.
-        self._accept_from = float("inf") if restarted else float("-inf")
         gc.collect()
         gc.freeze()  # short GC pauses on the event loop
-
-    def _edge(self, step: int, edge: str) -> _Edge:
-        if step < self._accept_from:
-            raise CoordinatorRestarted(f"the coordinator was restarted: the metadata of step {step} edge {edge} is lost")
-        if step in self._aborted:
-            raise CoordinatorError(f"step {step} was aborted: {self._aborted[step]}")
-        store = self._store.store(step)
-        e = store.get(edge)
-        if e is None:
-            e = store[edge] = _Edge()
-        return e
-
-    def _count(self, step: int, edge: str) -> _Count:
-        c = self._counts.get((step, edge))
-        if c is None:
-            c = self._counts[(step, edge)] = _Count(step, edge)
-        return c
-
-    def _pop_counts(self, closed: Callable[[int], bool], suffix: str = "") -> list[dict]:
-        rows = []
-        for key in [k for k in self._counts if closed(k[0])]:
-            c = self._counts.pop(key)
-            c.edge += suffix
-            self._done.append(c)
-            rows.append({**c.__dict__, "buffer": -1})
-        return rows
 
     # ---- protocol -------------------------------------------------------------------
     async def publish(self, step: int, edge: str, producer: int, lengths: np.ndarray, refs: list, chunk: int,
@@ -121,13 +74,13 @@ class Coordinator:
         rows [i*chunk, (i+1)*chunk) (refs stay refs: Ray does not resolve refs nested in a list)."""
         self.calls += 1
         t0 = time.perf_counter()
-        e = self._edge(step, edge)
+        e = self.steps.entry(step, edge)
         if producer in e.lengths:
             raise CoordinatorError(f"step {step} edge {edge}: producer {producer} published twice")
         e.lengths[producer], e.refs[producer], e.groups[producer] = np.asarray(lengths), list(refs), groups
         e.chunk[producer] = max(1, chunk)
         self.meta_bytes += e.lengths[producer].nbytes
-        c = self._count(step, edge)
+        c = self.steps.count(step, edge)
         c.items_reported += len(lengths)
         c.items_in += len(lengths)
         c.pieces_in += 1
@@ -142,19 +95,19 @@ class Coordinator:
         """(object ref, row indices in it) for every object holding rows of `consumer`, in
         producer then row order: reading them in this order gives its rows in global order."""
         self.calls += 1
-        e = self._edge(step, edge)
+        e = self.steps.entry(step, edge)
         try:
             await asyncio.wait_for(e.ready.wait(), self.wait_timeout_s)
         except asyncio.TimeoutError:
             raise CoordinatorError(f"coordinator: timed out after {self.wait_timeout_s:.0f}s waiting for producers "
                                    f"on step {step} edge {edge} (have {sorted(e.lengths)})") from None
-        if step in self._aborted:
-            raise CoordinatorError(f"step {step} was aborted while waiting on edge {edge}: {self._aborted[step]}")
+        if step in self.steps.aborted:
+            raise CoordinatorError(f"step {step} was aborted while waiting on edge {edge}: {self.steps.aborted[step]}")
         t0 = time.perf_counter()
         got = [piece for p in sorted(e.rows) for piece in _by_object(e.refs[p], e.chunk[p], e.rows[p][consumer])]
         self.meta_bytes += sum(rows.nbytes for _, rows in got)
         if count_as_out:
-            c = self._count(step, edge)
+            c = self.steps.count(step, edge)
             c.pieces_out += len(got)
             c.items_out += sum(len(rows) for _, rows in got)
         self.busy_s += time.perf_counter() - t0
@@ -162,27 +115,25 @@ class Coordinator:
 
     # ---- step lifecycle ---------------------------------------------------------------
     async def end_step(self, step: int) -> tuple[float, list[dict]]:
-        counts = self._pop_counts(lambda s: s <= step)
-        return self._store.release(step), counts
+        return self.steps.end(step)
 
     async def reset_step(self, step: int) -> list[dict]:
-        aborted = self._pop_counts(lambda s: s == step, " (aborted attempt)")
-        self._aborted.pop(step, None)
-        self._accept_from = min(self._accept_from, step)
-        self._store.release(step)
-        return aborted
+        return self.steps.reset(step)
 
     async def abort(self, step: int, reason: str) -> None:
-        self._aborted[step] = reason
-        for e in self._store.store(step).values():
+        for e in self.steps.abort(step, reason):
             e.ready.set()
 
+    async def ledger(self) -> list[dict]:
+        return self.steps.ledger()
+
     async def stats(self) -> dict:
-        return {"open_steps": self._store.steps(), "releases": self._store.releases, "calls": self.calls,
-                "meta_bytes": self.meta_bytes, "busy_s": self.busy_s, "double_buffer": self._store.enabled}
+        store = self.steps.store
+        return {"open_steps": store.steps(), "releases": store.releases, "calls": self.calls,
+                "meta_bytes": self.meta_bytes, "busy_s": self.busy_s, "double_buffer": store.enabled}
 
     async def drain(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self._store.drain)
+        await asyncio.get_running_loop().run_in_executor(None, self.steps.store.drain)
 
     async def ping(self) -> str:
         return ray.get_runtime_context().get_node_id()

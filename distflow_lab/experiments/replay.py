@@ -37,11 +37,10 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from distflow_lab.core.config import Balance
+from distflow_lab.core.config import MODES, Balance
 from distflow_lab.core.spans import DRIVER, NESTED_PHASES
 from distflow_lab.dataplane.routing import assign
 
-MODES = ("distributed", "coordinator", "centralized")
 
 
 @dataclass

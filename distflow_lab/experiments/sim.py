@@ -44,6 +44,7 @@ import pandas as pd
 
 from distflow_lab.observe.span_stats import compute_critical_path
 from distflow_lab.dataplane.partition import constrained_lpt, load_stats
+from distflow_lab.core.config import MODES
 from distflow_lab.core.spans import DRIVER
 
 T1 = {"distflow_compute": 81.196, "distflow_put": 2.185, "distflow_get": 8.220, "distflow_put_get": 10.405,
@@ -124,7 +125,7 @@ def predict(cal: Calibration, devices, batch="proportional", context: int = 1638
             nodes: int | None = None) -> pd.DataFrame:
     """Predicted step per (mode, devices). `batch`: "proportional" (B = b*D) or an int (constant B);
     `mode`: one, a list or "both"; `nodes` fixes N (a simulated cluster) instead of ceil(D/g)."""
-    every = ["distributed", "coordinator", "centralized"]
+    every = list(reversed(MODES))
     modes = every if mode in ("both", "all") else [mode] if isinstance(mode, str) else list(mode)
     rows = []
     for m in modes:

@@ -20,6 +20,7 @@ from pydantic import Field, ValidationError
 from distflow_lab.algos.estimators import gae_advantage, grpo_outcome_advantage, outcome_to_token_rewards
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ConfigError, DataSpec, Strict
+from distflow_lab.datasets.loader import load_batch
 from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.shapes import grpo_shape, ppo_shape
 from distflow_lab.runtime.context import StageContext
@@ -197,7 +198,7 @@ class StreamingDecoder:
 
 
 def _streaming(batch: Batch, ctx: StageContext, p: SyntheticParams) -> Batch:
-    dec = ctx.engines.setdefault("decoder", StreamingDecoder())
+    dec = ctx.engines.scratch.setdefault("decoder", StreamingDecoder())
     n, P, R = p.n, p.max_prompt_len, p.max_response_len
 
     def admit(b: Batch) -> int:
@@ -261,7 +262,10 @@ def gae(batch: Batch, ctx: StageContext) -> Batch:
 
 def policy(ctx: StageContext) -> SyntheticWeights:
     """This worker's synthetic policy (created on first use; an update bumps its version)."""
-    return ctx.engines.setdefault("weights", SyntheticWeights(params(ctx).weight_mib, seed=ctx.seed))
+    e = ctx.engines
+    if e.weights is None:
+        e.weights = SyntheticWeights(params(ctx).weight_mib, seed=ctx.seed)
+    return e.weights
 
 
 def actor_update(batch: Batch, ctx: StageContext) -> Batch:
@@ -283,7 +287,7 @@ def critic_update(batch: Batch, ctx: StageContext) -> Batch:
 
 
 _M = "distflow_lab.experiments.synthetic:"
-GRPO_FNS = {"rollout": _M + "rollout", "reward": _M + "reward", "advantage": _M + "grpo_advantage",
+GRPO_FNS = {"data": load_batch, "rollout": _M + "rollout", "reward": _M + "reward", "advantage": _M + "grpo_advantage",
             "old_log_prob": _M + "old_log_prob", "ref_log_prob": _M + "ref_log_prob",
             "actor_update": _M + "actor_update"}
 PPO_FNS = {**GRPO_FNS, "advantage": _M + "gae", "values": _M + "values", "critic_update": _M + "critic_update"}

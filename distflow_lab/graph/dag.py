@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from distflow_lab.core.config import check_groups
 from distflow_lab.core.errors import DAGError
 from distflow_lab.graph.drawing import dag_html
 from distflow_lab.graph.nodes import Layout, Node, StageFn, importable, make_node
@@ -39,9 +40,7 @@ class DAG:
         """Put stages on named worker groups (e.g. `rollout=2, train=2`): every node's layout then
         names its group, ranks are given to the groups in this order, and world_size is their sum.
         Without groups every stage runs on every worker (colocated)."""
-        bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
-        if bad:
-            raise DAGError(f"DAG {self.name!r}: group sizes must be positive integers, got {bad}")
+        check_groups(sizes, where=f"DAG {self.name!r}", error=DAGError)
         self.groups = dict(sizes) or None
         return self
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 
-from distflow_lab.core.config import Contract, DataSpec
+from distflow_lab.core.config import Contract, DataSpec, check_groups
 from distflow_lab.core.errors import DAGError
 from distflow_lab.graph.drawing import plan_html
 from distflow_lab.graph.nodes import StageFn, depths
@@ -165,9 +165,7 @@ def group_spans(groups: dict[str, int] | None, world_size: int) -> dict[str, tup
     """(first rank, workers) of each named group, in declaration order; they must fill the workers."""
     if not groups:
         return {}
-    if sum(groups.values()) != world_size:
-        raise DAGError(f"worker groups {groups} hold {sum(groups.values())} workers; the session has {world_size}: "
-                       "make world_size their sum")
+    check_groups(groups, world_size=world_size, error=DAGError)
     out, first = {}, 0
     for name, size in groups.items():
         out[name], first = (first, size), first + size

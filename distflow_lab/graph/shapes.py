@@ -20,14 +20,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from distflow_lab.core.config import DataSpec
+from distflow_lab.core.config import DataSpec, check_groups
+from distflow_lab.core.errors import DAGError
 from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.nodes import Layout, StageFn
 
 GRPO_NODES = ("data", "rollout", "reward", "advantage", "old_log_prob", "ref_log_prob", "actor_update")
 PPO_NODES = ("data", "rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage",
              "critic_update", "actor_update")
-LOADER = "distflow_lab.datasets.loader:load_batch"
 
 
 def _need(fns: Mapping[str, Any], names: tuple[str, ...]) -> None:
@@ -40,8 +40,7 @@ def _layouts(rollout_tp: int, groups: Mapping[str, int] | None) -> tuple[Layout,
     """(generation layout, training layout); with groups, each on its own group."""
     if not groups:
         return Layout(tp=rollout_tp), Layout()
-    if len(groups) != 2:
-        raise ValueError(f"groups must name two worker groups (generation, training), got {dict(groups)}")
+    check_groups(groups, pair=True, where="groups", error=DAGError)
     gen, train = list(groups)
     return Layout(tp=rollout_tp, group=gen), Layout(group=train)
 
@@ -49,10 +48,10 @@ def _layouts(rollout_tp: int, groups: Mapping[str, int] | None) -> tuple[Layout,
 def grpo_shape(fns: Mapping[str, str | StageFn], data: DataSpec | dict, rollout_tp: int = 1,
                extras: Mapping[str, dict] | None = None, name: str = "grpo",
                groups: Mapping[str, int] | None = None) -> DAG:
-    """GRPO's DAG with the given stage functions (keys: GRPO_NODES; "data" defaults to the
-    sharded loader), the data node's `data`, and per-node `extras` (node fields such as
-    `contract`, `params`, `timeout_s`)."""
-    fns = {"data": LOADER, **fns}
+    """GRPO's DAG with the given stage functions (keys: GRPO_NODES; "data" is usually the sharded
+    loader `datasets.loader.load_batch`, which callers pass: graph sits below datasets), the data node's `data`, and per-node
+    `extras` (node fields such as `contract`, `params`, `timeout_s`)."""
+    fns = dict(fns)
     _need(fns, GRPO_NODES)
     x = {k: dict(v) for k, v in (extras or {}).items()}
     gen, train = _layouts(rollout_tp, groups)
@@ -77,7 +76,7 @@ def ppo_shape(fns: Mapping[str, str | StageFn], data: DataSpec | dict, rollout_t
               extras: Mapping[str, dict] | None = None, name: str = "ppo",
               groups: Mapping[str, int] | None = None) -> DAG:
     """PPO's DAG: GRPO's plus critic values and a critic update (GAE advantage)."""
-    fns = {"data": LOADER, **fns}
+    fns = dict(fns)
     _need(fns, PPO_NODES)
     x = {k: dict(v) for k, v in (extras or {}).items()}
     gen, train = _layouts(rollout_tp, groups)

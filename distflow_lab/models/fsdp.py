@@ -10,9 +10,10 @@ into micro-batches or spread over data-parallel ranks (up to float error). `loss
 returns a per-token loss L and mask m; each micro-batch backpropagates a SUM divided
 by a GLOBAL count, all-reduced once per step before the first forward:
 
-  token-mean           sum_{b,t} L*m               / global number of tokens in batch[mask_key]
-  seq-mean-token-mean  sum_b sum_t L*m / sum_t m   / global number of rows
-  seq-mean-token-sum   sum_{b,t} L*m               / global number of rows
+  token-mean               sum_{b,t} L*m               / global number of tokens in batch[mask_key]
+  seq-mean-token-mean      sum_b sum_t L*m / sum_t m   / global number of rows with a token
+  seq-mean-token-sum       sum_{b,t} L*m               / global number of rows with a token
+  seq-mean-token-sum-norm  sum_{b,t} L*m / T           / global number of rows with a token (T: padded width)
 
 (= token_ops.aggregate_loss over the global batch: its loss_sum per micro-batch over one
 global loss_count). FSDP2's reduce-scatter is switched
@@ -322,7 +323,9 @@ class TrainEngine:
         data. The token-mean normaliser counts batch[mask_key]: tokens the loss_fn masks out
         beyond it add 0 but still count. Returns all-reduced metrics: loss (the aggregated
         global loss), n_tokens, n_micro, padding_waste (`padding_tokens`: padded / real tokens
-        of the forwards), and loss_fn metrics weighted by mask tokens.
+        of the forwards), and loss_fn metrics: a mean over micro-batches and ranks weighted by
+        mask tokens, except a key ending in `_max`, the max over the micro-batches with a
+        mask token on every rank (all_reduce MAX; 0.0 if there is none).
         """
         if loss_agg_mode not in LOSS_AGG_MODES or self.optimizer is None:
             raise ValueError(f"bad loss_agg_mode {loss_agg_mode!r} or frozen engine (optim=None)")
@@ -336,7 +339,7 @@ class TrainEngine:
             fn()
         plan = self._plan(batch["attention_mask"])
         waste = padding_tokens(batch["attention_mask"], batch["input_ids"].shape[1] - batch["responses"].shape[1], plan)
-        total, weight_sum, metric_sums = 0.0, 0.0, {}
+        total, weight_sum, metric_sums, metric_maxes = 0.0, 0.0, {}, {}
         for idx in plan:
             w = 0.0 if idx is None else 1.0
             mb = self._micro(batch, idx)
@@ -349,14 +352,22 @@ class TrainEngine:
             k = float(mask.sum()) * w
             weight_sum += k
             for key, v in metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + float(v) * k
-        keys = sorted(metric_sums)
+                if key.endswith("_max"):  # a max, not a mean: a micro-batch without tokens has none
+                    m = metric_maxes.setdefault(key, -math.inf)
+                    metric_maxes[key] = max(m, float(v)) if k > 0 else m
+                else:
+                    metric_sums[key] = metric_sums.get(key, 0.0) + float(v) * k
+        keys, max_keys = sorted(metric_sums), sorted(metric_maxes)
         packed = self._all_reduce(torch.tensor([total, weight_sum, *waste, *[metric_sums[k] for k in keys]],
                                                dtype=torch.float64))
         tot = max(float(packed[1]), 1e-12)
         result = {"loss": float(packed[0]), "n_tokens": g_tokens, "n_micro": float(len(plan)),
                   "padding_waste": float(packed[2]) / max(float(packed[3]), 1.0)}
         result.update({k: float(packed[4 + i]) / tot for i, k in enumerate(keys)})
+        if max_keys:  # same keys on every rank (they do not depend on the data), so all call it
+            maxes = self._all_reduce(torch.tensor([metric_maxes[k] for k in max_keys], dtype=torch.float64),
+                                     dist.ReduceOp.MAX)
+            result.update({k: float(v) if math.isfinite(v) else 0.0 for k, v in zip(max_keys, maxes.tolist())})
         return result
 
     def train_step(self, batch: dict[str, Tensor], loss_fn: LossFn, loss_agg_mode: str = "token-mean",
@@ -365,7 +376,7 @@ class TrainEngine:
 
         zero grads -> `compute_grads` -> clip the global grad norm -> AdamW step (skipped,
         with skipped=1, when the norm is not finite) -> zero grads. Metrics are python
-        floats, identical on every rank.
+        floats, identical on every rank (`*_max` keys reduced by max, see `compute_grads`).
         """
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.compute_grads(batch, loss_fn, loss_agg_mode, with_entropy, mask_key)

@@ -23,6 +23,8 @@ class HFRollout:
     push `TrainEngine.full_state_dict()` through `load_weights` after each step.
     """
 
+    sleeps = needs_weights = streams_weights = False  # `rollout.RolloutEngine`: it keeps its weights in memory
+
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
                  max_prompt_len: int):
         self.model, self.tokenizer, self.cfg, self.max_prompt_len = model, tokenizer, opts, max_prompt_len
@@ -89,6 +91,12 @@ class HFRollout:
         if logps is not None:
             cols["rollout_log_probs"] = logps * response_mask
         return cols
+
+    def sleep(self) -> None:
+        """Nothing to free: the module stays in memory (RolloutEngine)."""
+
+    def close(self) -> None:
+        """The module is the caller's (it may be the trainer's own)."""
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

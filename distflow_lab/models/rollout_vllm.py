@@ -233,6 +233,7 @@ class VLLMRollout:
         self.weight_dtype = getattr(torch, dtype)  # buckets are cast to vLLM's dtype before they are sent
         self.bucket_bytes = opts.vllm.weight_sync_bucket_mib << 20
         self.needs_weights = False  # True after a level-2 sleep: generate refuses until load_weights
+        self.sleeps = opts.vllm.enable_sleep_mode  # sleep is hung on the trainers (engine_setup)
         self._asleep: set[str] = set()
 
     # ---- memory: sleep while the trainers compute, wake what the next call needs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -22,29 +22,40 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 def loss_sum(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
     """The numerator of `aggregate_loss`: a sum over the rows given, so micro-batches and
-    ranks can each add theirs and divide by one global `loss_count` (the training engine)."""
+    ranks can each add theirs and divide by one global `loss_count` (the training engine).
+    seq-mean-token-sum-norm divides by the padded width T = mask.shape[-1] here, not in the
+    count: T is a per-row constant (verl's default `loss_scale_factor`), and a count of
+    rows x T could not be summed over ranks padded to different widths."""
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
     mask = mask.to(loss_mat.dtype)
     lm = torch.where(mask.bool(), loss_mat, 0.0) * mask  # where(): NaN/inf in padding cannot leak
     if mode == "seq-mean-token-mean":
         return (lm.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+    if mode == "seq-mean-token-sum-norm":
+        return lm.sum() / mask.shape[-1]
     return lm.sum()
 
 
 def loss_count(mask: torch.Tensor, mode: str = "token-mean") -> float:
-    """The denominator of `aggregate_loss`: real tokens (token-mean) or rows."""
-    return float(mask.sum()) if mode == "token-mean" else float(mask.shape[0])
+    """The denominator of `aggregate_loss`: real tokens (token-mean), else rows with at
+    least one real token (an all-padding row is not a sequence of the mean, as in verl)."""
+    if mode == "token-mean":
+        return float(mask.sum())
+    return float((mask.sum(-1) > 0).sum())
 
 
 def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a [B, T] loss to a scalar. With m = mask, n_b = sum_t m[b, t]:
+    """Reduce a [B, T] loss to a scalar (verl's `agg_loss`). With m = mask, n_b = sum_t m[b, t]
+    and S = #{b : n_b > 0} the rows with a real token:
 
-    token-mean:          sum_{b,t} L*m / sum_{b,t} m       (every token weighs the same; DAPO)
-    seq-mean-token-mean: (1/B) sum_b [ sum_t L*m / n_b ]   (every sequence weighs the same; GRPO paper)
-    seq-mean-token-sum:  (1/B) sum_b sum_t L*m             (longer sequences weigh more)
+    token-mean:              sum_{b,t} L*m / sum_{b,t} m       (every token weighs the same; DAPO)
+    seq-mean-token-mean:     (1/S) sum_b [ sum_t L*m / n_b ]   (every sequence weighs the same; GRPO paper)
+    seq-mean-token-sum:      (1/S) sum_b sum_t L*m             (longer sequences weigh more)
+    seq-mean-token-sum-norm: (1/(S*T)) sum_b sum_t L*m         (Dr. GRPO: a constant T, the padded
+                                                                 width mask.shape[-1] = max response length)
 
-    A row with n_b = 0 contributes 0 to seq-mean-token-mean but still counts in B.
+    An all-padding row adds 0 and is left out of S. With S = 0 the loss is 0 (verl: NaN).
     """
     return loss_sum(loss_mat, mask, mode) / max(loss_count(mask, mode), 1e-8)
 

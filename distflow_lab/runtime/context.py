@@ -11,6 +11,7 @@ import torch
 
 from distflow_lab.core.config import ScheduleOptions
 from distflow_lab.core.spans import SpanRecorder
+from distflow_lab.runtime.engines import StageState
 
 if TYPE_CHECKING:
     from distflow_lab.datasets.loader import ShardedLoader
@@ -28,7 +29,7 @@ class StageContext:
     seed: int
     node: str = "local"
     config: Any = None
-    engines: dict[str, Any] = field(default_factory=dict)
+    engines: Any = field(default_factory=StageState)  # the worker's engines (runtime.engines.WorkerEngines)
     loader: "ShardedLoader | None" = None
     recorder: SpanRecorder | None = None
     groups: dict[str, Any] = field(default_factory=dict)  # stage id -> this worker's dp process group
@@ -79,7 +80,8 @@ class StageContext:
         return self._rng
 
     def log(self, **metrics: float) -> None:
-        """Record metrics; the driver averages them over data-parallel ranks (weighted by rows)."""
+        """Record metrics; the driver averages them over data-parallel ranks (weighted by rows),
+        except keys ending in `_max`, which take the max over ranks."""
         self.metrics.update({k: float(v) for k, v in metrics.items()})
 
     def count(self, **counts: float) -> None:
@@ -101,10 +103,10 @@ def stage_context(stage: "Stage", *, step: int, worker: int, world_size: int, se
 
 
 def local_context(plan: "Plan", stage: str, step: int = 0, dp_rank: int = 0, seed: int = 0, config: Any = None,
-                  engines: dict[str, Any] | None = None) -> StageContext:
+                  engines: Any = None) -> StageContext:
     """A context for calling a stage function by hand, outside Ray (tests, notebooks):
     `fn(batch, local_context(dag.plan(4), "advantage"))`."""
     st = plan.stage(stage)
     return stage_context(st, step=step, worker=st.worker_of(dp_rank), world_size=plan.world_size,
-                         session_seed=seed, dp_rank=dp_rank, config=config, engines=dict(engines or {}),
+                         session_seed=seed, dp_rank=dp_rank, config=config, engines=engines if engines is not None else StageState(),
                          roles=frozenset(s.role for s in plan.stages))  # by hand: every role's engines

@@ -7,7 +7,10 @@ holds a data plane (`dataplane.interface.DataPlane`) and never asks which one:
     step():  plane.begin_step
              whole step on every worker (the driver moves no data), or stage by stage:
                  args = plane.stage_args -> workers run the stage -> plane.stage_done
-             plane.end_step -> ledger, StepReport
+             plane.end_step -> StepReport, recorded (history, metrics, ledger) by _record
+    on worker groups: Lanes (runtime/schedules.py) runs the schedule through a Dispatch
+             (start calls, gather, abort, end a step) and returns each update's StepReport,
+             recorded by the same _record
     failure: abort the step everywhere -> wait (bounded) for the workers to leave it
              -> plane.reset_step + workers rewind -> retry once (a lost data-plane actor,
              before any training stage), or raise the named error
@@ -47,8 +50,8 @@ from distflow_lab.runtime.context import stage_context
 from distflow_lab.runtime.profiling import ProfileSpec
 from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
-from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
-from distflow_lab.runtime.schedules import Lanes
+from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport, stage_reports
+from distflow_lab.runtime.schedules import Dispatch, Lanes
 from distflow_lab.runtime.weights import WeightBoard
 from distflow_lab.runtime.worker import WorkerSetup
 
@@ -114,7 +117,7 @@ class Controller:
                                 schedule=self.config.schedule)
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
-            self.lanes = Lanes(self, self.config.schedule) if self.plan.groups else None
+            self.lanes = self._lanes() if self.plan.groups else None
         except BaseException:
             self.close()
             raise
@@ -186,7 +189,7 @@ class Controller:
         """Finish the current step (all of it, or what is left after step_stage calls)."""
         self._check_usable()
         if self.lanes is not None:
-            return self.lanes.step()
+            return self._step_on_groups()
         if self.next_stage:
             while self.next_stage:
                 self.step_stage()
@@ -218,17 +221,46 @@ class Controller:
     def _finish_step(self) -> StepReport:
         step = self.step_index
         end = self.plane.end_step(step)
-        self.ledger_rows.extend(end.ledger)
         report = StepReport(step, self.mode, self._current, time.time() - self._step_t0, end.seconds,
                             self.driver_calls + self.plane.rpcs - self._rpcs_at_start)
+        return self._record(report, end.ledger)
+
+    def _record(self, report: StepReport, ledger: list[dict]) -> StepReport:
+        """The one place a finished step is recorded (history, metrics, ledger rows); the
+        cursor moves past it."""
+        self.ledger_rows.extend(ledger)
         self.history.append(report)
-        self.metric_rows.append({"step": step, "wall_s": report.wall_seconds, **report.metrics})
-        self.step_index, self.next_stage, self._current = step + 1, 0, []
+        self.metric_rows.append({"step": report.step, "wall_s": report.wall_seconds, **report.metrics})
+        self.step_index, self.next_stage, self._current = report.step + 1, 0, []
         return report
+
+    # ---- schedules on worker groups (runtime/schedules.py) -------------------------------
+    def _lanes(self) -> Lanes:
+        """The schedule on worker groups, after the updates done so far. It reaches the
+        workers and the data plane through these calls only."""
+        dispatch = Dispatch(call=self._call, gather=self._gather, abort=self._abort, end_step=self.plane.end_step,
+                            timeout=self._timeout)
+        return Lanes(self.plan, self.mode, self.config.schedule, dispatch, start=self.step_index)
+
+    def _step_on_groups(self) -> StepReport:
+        """One training update: Lanes runs until one finishes (or raises a named error, with
+        everything in flight aborted: the workers need resume())."""
+        try:
+            report = self.lanes.step()
+        except StageError as e:
+            self.ledger_rows.extend(self.lanes.take_ledger())  # batches ended before the failure still count
+            self.broken = (f"{type(e).__name__} in stage {e.stage!r} of schedule {self.config.schedule.kind!r}: "
+                           "call resume() to restart from the last checkpoint")
+            raise
+        return self._record(report, self.lanes.take_ledger())
 
     # ---- dispatch ------------------------------------------------------------------------
     def _timeout(self, stage: Stage) -> float:
         return stage.timeout_s or self.config.cluster.stage_timeout_s
+
+    def _call(self, method: str, workers: list[int], args: tuple) -> list:
+        """Start `method(*args)` on each of `workers`; their refs, for `_gather`."""
+        return [getattr(self.workers[w], method).remote(*args) for w in workers]
 
     def _run_stage(self, step: int, index: int) -> StageReport:
         st = self.plan.stages[index]
@@ -256,17 +288,7 @@ class Controller:
                      or "(whole step)")  # the stage the worker had reached
             raise type(e)(e.summary.replace("'(whole step)'", repr(where)), step=step, stage=where,
                           worker=e.worker, remote_traceback=e.remote_traceback) from None
-        by_stage: dict[int, list] = {}
-        for rs in per_worker:
-            for r in rs:
-                by_stage.setdefault(r.stage, []).append(r)
-        reports = []
-        for i, st in enumerate(self.plan.stages):
-            results = by_stage.get(i, [])
-            spans = [s for r in results for s in r.spans]
-            wall = max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
-            reports.append(StageReport(step, i, st.id, self.mode, results, wall_seconds=wall))
-        return reports
+        return stage_reports(step, self.plan.stages, self.mode, per_worker)
 
     def _run_step_or_retry(self, step: int) -> list[StageReport]:
         """A data-plane actor lost mid-step: the step runs again once, from its start,
@@ -509,10 +531,15 @@ class Controller:
         if diff:
             raise CheckpointError(f"checkpoint {d} is from another configuration: "
                                   + "; ".join(f"{k}: checkpoint {a!r} vs session {b!r}" for k, (a, b) in diff.items()))
+        if self.lanes is not None:  # batches generated ahead of the loaded step are never trained
+            for batch in self.lanes.discard():
+                self.ledger_rows.extend(self.plane.reset_step(batch))
         self._gather([w.load_checkpoint.remote(str(d)) for w in self.workers], state["next_step"], "load_checkpoint",
                      SETUP_STAGES * self.config.cluster.stage_timeout_s)
         self.plane.load(d)
         self.step_index, self.next_stage = state["next_step"], 0
+        if self.lanes is not None:
+            self.lanes = self._lanes()  # the schedule continues after the loaded step
         self.last_checkpoint = d
         return self.step_index
 

@@ -1,23 +1,27 @@
 """What the driver receives: metadata only (timings, counts, metrics).
 
 `StageResult` is one worker's account of one stage; `StageReport` gathers all
-workers' results for a stage (plus the driver's own spans in centralized mode);
-`StepReport` a whole step. All have rich notebook reprs.
+workers' results for a stage (plus the driver's own spans in centralized mode;
+`stage_reports` groups a segment's results by stage); `StepReport` a whole step.
+All have rich notebook reprs. Ledger rows have one shape, `ledger_row`.
 """
 from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from distflow_lab.core.spans import DRIVER, Span, spans_to_frame
+from distflow_lab.dataplane.interface import LEDGER_COLUMNS, ledger_row
 
-# Item counts per (step, edge) that every data plane reports: what went in, what came out.
-LEDGER_COLUMNS = ("items_reported", "items_in", "items_out", "pieces_in", "pieces_out",
-                  "items_dropped")  # the last: async schedules (too-stale batches, never trained)
+if TYPE_CHECKING:
+    from distflow_lab.graph.planner import Stage
+
+__all__ = ["LEDGER_COLUMNS", "ledger_row", "StageResult", "StageReport", "StepReport", "aggregate_metrics",
+           "stage_reports"]
 
 
 @dataclass
@@ -48,7 +52,9 @@ class StageResult:
 def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:
     """Over data-parallel ranks (group rank 0 of each group): `ctx.log` metrics are
     averaged weighted by each rank's output rows (a rank that produced nothing does
-    not count; equal rows give the plain mean), `ctx.count` counts are summed."""
+    not count; equal rows give the plain mean), except a metric whose key ends in
+    `_max`, which is the max over those ranks (e.g. actor/is_ratio_max: a max of maxes,
+    never a mean); `ctx.count` counts are summed."""
     by_name: dict[str, list[tuple[float, float]]] = {}
     sums: dict[str, float] = {}
     for r in results:
@@ -61,7 +67,10 @@ def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:
     out = {}
     for k, pairs in by_name.items():
         values, weights = np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs])
-        out[k] = float(np.average(values, weights=weights)) if weights.sum() > 0 else float(values.mean())
+        if k.endswith("_max"):
+            out[k] = float(values[weights > 0].max() if weights.sum() > 0 else values.max())
+        else:
+            out[k] = float(np.average(values, weights=weights)) if weights.sum() > 0 else float(values.mean())
     return {**out, **sums}
 
 
@@ -122,6 +131,24 @@ class StageReport:
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
         table = self.per_worker().round(4).to_html() if self.results else ""
         return head + (f"<br><small>{html.escape(metrics)}</small>" if metrics else "") + table
+
+
+def stage_reports(step: int, stages: "list[Stage]", mode: str, per_worker: list[list[StageResult]]
+                  ) -> list[StageReport]:
+    """Every worker's results of a run of `stages` (one list per worker, in any order),
+    grouped into one StageReport per stage, in the order of `stages`; a stage's wall time
+    runs from its first span's start to its last span's end, over every worker."""
+    by_stage: dict[int, list[StageResult]] = {}
+    for results in per_worker:
+        for r in results:
+            by_stage.setdefault(r.stage, []).append(r)
+    out = []
+    for st in stages:
+        results = by_stage.get(st.index, [])
+        spans = [s for r in results for s in r.spans]
+        wall = max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
+        out.append(StageReport(step, st.index, st.id, mode, results, wall_seconds=wall))
+    return out
 
 
 @dataclass

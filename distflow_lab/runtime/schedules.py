@@ -30,23 +30,46 @@ the start, counted in its metrics); the batch check above catches the rest.
 k is the staleness bound: 0 = sync order (generation of r waits for update r-1: the
 same steps, seeds and metrics as the synchronous schedule), 1 = one-step off-policy
 (generation of r+1 beside training of r), k = bounded asynchrony.
+
+Lanes sees the controller through `Dispatch` only (start a segment call on workers,
+gather answers within a deadline, abort a step, end a step on the data plane). It
+returns each update's StepReport and keeps the ledger rows of the batches it ended
+(trained or dropped) for the controller to take (`take_ledger`): the controller
+records both, in one place.
+
+Nothing waits or loops without a bound: a segment call's deadline is the sum of its
+stages' timeouts (StageTimeout); a training update must leave the policy at the next
+version, update t => version t + 1 (PolicyNotPublished, when the trainers have a
+weights engine); and more than max(2, k + 1) batches in a row too stale to train,
+with no update in between, is StaleBatches. Each aborts what is in flight.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import ray
 from ray.exceptions import RayError
 
 from distflow_lab.core.config import ScheduleOptions
-from distflow_lab.core.errors import DAGError, SessionBroken, StageError
-from distflow_lab.runtime.results import StageReport, StepReport
+from distflow_lab.core.errors import DAGError, PolicyNotPublished, SessionBroken, StageError, StaleBatches
+from distflow_lab.dataplane.interface import EndOfStep
+from distflow_lab.graph.planner import Plan, Stage
+from distflow_lab.runtime.results import StageReport, StepReport, ledger_row, stage_reports
 
-if TYPE_CHECKING:
-    from distflow_lab.runtime.controller import Controller
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What Lanes may ask of the controller, and nothing more (the controller builds it)."""
+
+    call: Callable[[str, list[int], tuple], list]  # (method, workers, args): start it on each worker -> refs
+    gather: Callable[[list, int, str, float, list[int]], list]  # (refs, step, stage, limit_s, workers) -> answers;
+    # on a failure or past limit_s it aborts the step and raises a named StageError (StageTimeout, WorkerLost, ...)
+    abort: Callable[[int, str], None]  # (step, reason): fail the data plane's waiters of a step
+    end_step: Callable[[int], EndOfStep]  # release a step (a batch) in the data plane: its seconds, its ledger rows
+    timeout: Callable[[Stage], float]  # a stage's timeout (its own, or the cluster's)
 
 
 @dataclass
@@ -59,7 +82,7 @@ class Lane:
     refs: list
     workers: list[int]
     started: float
-    deadline: float
+    deadline: float  # started + the sum of the segment's stage timeouts
 
 
 @dataclass
@@ -90,10 +113,8 @@ def _failed(done: list) -> bool:
     return False
 
 
-def segments(controller: "Controller") -> tuple[list[int], list[int]]:
+def segments(plan: Plan, kind: str) -> tuple[list[int], list[int]]:
     """(generation stage indices, training stage indices) of a plan with two worker groups."""
-    plan = controller.plan
-    kind = controller.config.schedule.kind
     if len(plan.groups) != 2:
         raise DAGError(f"schedule {kind!r} needs a DAG on two worker groups (generation, then training), e.g. "
                        f"dag.with_groups(rollout=2, train=2); this DAG has {len(plan.groups) or 'no'} groups")
@@ -108,42 +129,62 @@ def segments(controller: "Controller") -> tuple[list[int], list[int]]:
 
 
 class Lanes:
-    def __init__(self, controller: "Controller", schedule: ScheduleOptions) -> None:
-        self.c, self.schedule = controller, schedule
+    def __init__(self, plan: Plan, mode: str, schedule: ScheduleOptions, dispatch: Dispatch, start: int) -> None:
+        """`start`: the updates done so far (the controller's step index)."""
+        self.plan, self.mode, self.schedule, self.d = plan, mode, schedule, dispatch
         self.k = schedule.staleness
         # How many batches generation may run ahead. With partial rollouts one is enough to keep the trainer
         # fed, and the rest of k is slack for sequences that continue into later batches (see the docstring).
         self.ahead = min(self.k, 1) if schedule.partial_rollout else self.k
-        self.gen_stages, self.train_stages = segments(controller)
-        plan = controller.plan
+        # Batches dropped in a row beyond this, with no update in between: nothing would ever train.
+        self.max_stale_run = max(2, self.k + 1)
+        self.gen_stages, self.train_stages = segments(plan, schedule.kind)
         self.gen_workers = list(plan.stages[self.gen_stages[0]].ranks)
         self.train_workers = list(plan.stages[self.train_stages[0]].ranks)
         self.edge = plan.edge_into(self.train_stages[0]).name
-        self.next_batch = self.updates = controller.step_index
+        self.next_batch = self.updates = start
         self.ready: deque[Ready] = deque()
         self.gen: Lane | None = None
         self.train: Lane | None = None
         self.stats = LaneStats()
+        self.stale_run = 0  # batches dropped since the last update
+        self.ledger: list[dict] = []  # rows of the batches ended (trained or dropped), not yet taken
         self._last_update_end = time.time()
         self._training: Ready | None = None
 
     # ---- the loop ------------------------------------------------------------------
     def step(self) -> StepReport:
-        """Run until one more training update has finished; return its report."""
-        target = self.updates + 1
-        while self.updates < target:
+        """Run until one more training update has finished; return its report. Raises a
+        StageError (in-flight calls aborted) when a lane fails or cannot make progress."""
+        report = None
+        while report is None:
             self._launch()
-            self._wait()
-        return self.c.history[-1]
+            report = self._wait()
+        return report
+
+    def take_ledger(self) -> list[dict]:
+        """The ledger rows of the batches ended since the last call (trained or dropped)."""
+        rows, self.ledger = self.ledger, []
+        return rows
+
+    def discard(self) -> list[int]:
+        """Give up every batch held (generating, ready, in training) untrained, e.g. before a
+        checkpoint is loaded: waits for the calls in flight (bounded by their deadlines) and
+        returns the batches, for the data plane to forget."""
+        lanes = [lane for lane in (self.gen, self.train) if lane is not None]
+        for lane in lanes:
+            ray.wait(lane.refs, num_returns=len(lane.refs), timeout=max(0.0, lane.deadline - time.monotonic()))
+        held = [lane.batch for lane in lanes] + [r.batch for r in self.ready]
+        self.gen = self.train = None
+        self.ready.clear()
+        return held
 
     def _launch(self) -> None:
-        if self.train is None and self.ready:
-            r = self.ready[0]
+        while self.train is None and self.ready:
+            r = self.ready.popleft()
             if self.updates - r.version_min > self.k:  # too stale to train on
-                self.ready.popleft()
-                self._stale(r)
+                self._drop(r)
             else:
-                self.ready.popleft()
                 self._training = r
                 self.train = self._start("train", r.batch, self.updates, self.train_stages, self.train_workers)
         # A generation starting now is trained after every batch ready or in training: it stays within k
@@ -156,69 +197,73 @@ class Lanes:
 
     def _start(self, kind: str, batch: int, update: int, stages: list[int], workers: list[int],
                trains_by: int | None = None) -> Lane:
-        limit = sum(self.c._timeout(self.c.plan.stages[i]) for i in stages)
+        limit = sum(self.d.timeout(self.plan.stages[i]) for i in stages)
         if kind == "generate":
-            refs = [self.c.workers[w].generate_segment.remote(batch, stages, trains_by) for w in workers]
+            refs = self.d.call("generate_segment", workers, (batch, stages, trains_by))
         else:
-            refs = [self.c.workers[w].train_segment.remote(batch, stages) for w in workers]
-        self.c.driver_calls += len(refs)
+            refs = self.d.call("train_segment", workers, (batch, stages))
         now = time.monotonic()
         return Lane(kind, batch, update, refs, workers, now, now + limit)
 
-    def _wait(self) -> None:
+    def _wait(self) -> StepReport | None:
+        """Wait until a lane finishes, fails or passes its deadline; finish it. Returns the
+        report of an update that finished, if one did."""
         lanes = [lane for lane in (self.gen, self.train) if lane is not None]
         if not lanes:
             raise SessionBroken("nothing to run: no batch is generating and none is ready (this is a bug)")
         pending = [r for lane in lanes for r in lane.refs]
         timeout = max(0.0, min(lane.deadline for lane in lanes) - time.monotonic())
         ray.wait(pending, num_returns=1, timeout=timeout)
+        report = None
         for lane in lanes:
             done, _ = ray.wait(lane.refs, num_returns=len(lane.refs), timeout=0)
             if len(done) == len(lane.refs) or time.monotonic() > lane.deadline or _failed(done):
-                self._finish(lane)  # a failed call ends its lane at once: the others may wait on it
+                report = self._finish(lane) or report  # a failed call ends its lane at once: others may wait on it
+        return report
 
     # ---- a lane finished (or failed) -----------------------------------------------
-    def _collect(self, lane: Lane) -> list[dict]:
-        stage = "(generation)" if lane.kind == "generate" else "(training)"
-        try:
-            return self.c._gather(lane.refs, lane.batch, stage, max(0.0, lane.deadline - time.monotonic()),
-                                  workers=lane.workers)
-        except StageError as e:
-            self._fail(e, lane)
-            raise
-
-    def _finish(self, lane: Lane) -> None:
+    def _finish(self, lane: Lane) -> StepReport | None:
         answers = self._collect(lane)
         self.stats.busy[lane.kind].append((lane.started, time.monotonic()))
-        reports = self._stage_reports(lane, [a["results"] for a in answers])
+        stages = [self.plan.stages[i] for i in (self.gen_stages if lane.kind == "generate" else self.train_stages)]
+        reports = stage_reports(lane.batch, stages, self.mode, [a["results"] for a in answers])
         if lane.kind == "generate":
             self.gen = None
             rows = sum(r.items_out for r in reports[-1].results if r.group_rank == 0)
             self.ready.append(Ready(lane.batch, min(a["version"] for a in answers),
                                     min(a["version_min"] for a in answers), reports, rows, answers[0]["checksum"]))
-        else:
-            self.train = None
-            self._finish_update(lane, reports, answers)
+            return None
+        self.train = None
+        self._check_published(lane, answers)
+        return self._finish_update(lane, reports, answers)
 
-    def _finish_update(self, lane: Lane, reports: list[StageReport], answers: list[dict]) -> None:
+    def _collect(self, lane: Lane) -> list[dict]:
+        stage = "(generation)" if lane.kind == "generate" else "(training)"
+        try:
+            return self.d.gather(lane.refs, lane.batch, stage, max(0.0, lane.deadline - time.monotonic()),
+                                 lane.workers)
+        except StageError as e:
+            self._abort_all(e)
+            raise
+
+    def _finish_update(self, lane: Lane, reports: list[StageReport], answers: list[dict]) -> StepReport:
         r = self._training
-        end = self.c.plane.end_step(lane.batch)
-        self.c.ledger_rows.extend(end.ledger)
+        end = self.d.end_step(lane.batch)
+        self.ledger.extend(end.ledger)
         now = time.time()
         wall, self._last_update_end = now - self._last_update_end, now
-        report = StepReport(lane.update, self.c.mode, r.reports + reports, wall, end.seconds,
-                            extra_metrics=self._schedule_metrics(lane, r, wall, answers))
-        self.c.history.append(report)
         self.updates += 1
-        self.c.step_index = self.updates
-        self.c.metric_rows.append({"step": lane.update, "wall_s": wall, **report.metrics})
+        self.stale_run = 0
+        return StepReport(lane.update, self.mode, r.reports + reports, wall, end.seconds,
+                          extra_metrics=self._schedule_metrics(lane, r, wall, answers))
 
     def _schedule_metrics(self, lane: Lane, r: Ready, wall: float, answers: list[dict]) -> dict:
         t1 = time.monotonic()
         t0 = t1 - wall
         busy = {k: sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in v) for k, v in self.stats.busy.items()}
+        versions = [a["version"] for a in answers if a["version"] is not None]  # None: no weights engine
         return {"schedule/batch": float(r.batch), "schedule/staleness": float(lane.update - r.version_min),
-                "schedule/policy_version": float(max(a["version"] for a in answers)),
+                "schedule/policy_version": float(max(versions, default=0)),
                 "schedule/published_checksum": float(answers[0]["checksum"]),
                 "schedule/rollout_version": float(r.version), "schedule/rollout_checksum": float(r.checksum),
                 "schedule/trainer_idle": max(0.0, 1 - busy["train"] / wall) if wall > 0 else 0.0,
@@ -226,38 +271,58 @@ class Lanes:
                 "schedule/dropped_batches": float(self.stats.dropped),
                 "schedule/queued_batches": float(len(self.ready))}
 
-    def _stage_reports(self, lane: Lane, per_worker: list[list]) -> list[StageReport]:
-        stages = self.gen_stages if lane.kind == "generate" else self.train_stages
-        by_stage: dict[int, list] = {}
-        for rs in per_worker:
-            for res in rs:
-                by_stage.setdefault(res.stage, []).append(res)
-        out = []
-        for i in stages:
-            results = by_stage.get(i, [])
-            spans = [s for res in results for s in res.spans]
-            wall = max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
-            out.append(StageReport(lane.batch, i, self.c.plan.stages[i].id, self.c.mode, results, wall_seconds=wall))
-        return out
+    # ---- the bounds: a policy that must advance, stale batches that must not go on --------
+    def _check_published(self, lane: Lane, answers: list[dict]) -> None:
+        """Update t must leave the trainers' policy at version t + 1 (versions start at 0 and
+        a checkpoint restores them): otherwise generation never gets a newer policy and every
+        batch goes stale. Checked on every trainer with a weights engine."""
+        expected = lane.update + 1
+        for w, a in zip(lane.workers, answers):
+            v, before = a["version"], a["version_before"]
+            if v is None or v == expected:
+                continue
+            last = self.plan.stages[self.train_stages[-1]].id
+            was = f" (it was {before} before the segment)" if before not in (None, v) else ""
+            self._raise(PolicyNotPublished(
+                f"training update {lane.update} (batch {lane.batch}) left the policy at version {v} on worker {w}"
+                f"{was}; update {lane.update} must leave it at version {expected}. The actor-update stage (the last "
+                f"training stage that ran: {last!r}) must advance the policy version once per update (engines.weights:"
+                f" e.g. bump(version + 1), as experiments/synthetic.py's actor_update does), or generation never gets "
+                f"a newer policy and every batch goes stale", step=lane.update, stage=last, worker=w))
 
-    def _stale(self, r: Ready) -> None:
+    def _drop(self, r: Ready) -> None:
         """A batch whose oldest token is more than k versions behind the trainer: dropped,
-        its rows counted in the ledger (in, never out: never trained)."""
+        its rows counted in the ledger (in, never out: never trained). More than
+        `max_stale_run` in a row, with no update in between, is an error."""
         self.stats.dropped += 1
-        end = self.c.plane.end_step(r.batch)
-        self.c.ledger_rows.extend(end.ledger)
-        self.c.ledger_rows.append({"step": r.batch, "edge": self.edge, "items_dropped": r.rows})
+        self.stale_run += 1
+        self.ledger.extend(self.d.end_step(r.batch).ledger)
+        self.ledger.append(ledger_row(r.batch, self.edge, items_dropped=r.rows))
+        if self.stale_run > self.max_stale_run:
+            self._raise(StaleBatches(
+                f"schedule {self.schedule.kind!r} dropped {self.stale_run} batches in a row as too stale, with no "
+                f"training update in between: the last, batch {r.batch}, came from policy version {r.version_min} "
+                f"(its oldest token) while the trainer is at update {self.updates}: more than the staleness bound "
+                f"k={self.k} behind. Every batch is too stale: the policy version is not advancing (the training "
+                f"group must publish version t + 1 after update t: its actor-update stage bumps engines.weights), or "
+                f"generation is too slow for k={self.k} (max_staleness)", step=r.batch,
+                stage=self.plan.stages[self.train_stages[0]].id, worker=None))
 
-    def _fail(self, err: StageError, lane: Lane) -> None:
-        """A failure in either lane: abort everything in flight; the session needs resume()."""
-        for other in (self.gen, self.train):
-            if other is not None:
-                self.c._abort(other.batch, f"{err.stage!r} failed: {err.summary}")
-        inflight = [r for other in (self.gen, self.train) if other is not None for r in other.refs]
-        try:
-            ray.wait(inflight, num_returns=len(inflight), timeout=5)
-        except RayError:
-            pass
+    # ---- failures ------------------------------------------------------------------
+    def _raise(self, err: StageError) -> None:
+        self._abort_all(err)
+        raise err
+
+    def _abort_all(self, err: StageError) -> None:
+        """A failure in either lane: abort everything in flight (bounded wait); the session
+        needs resume() (the controller marks it broken)."""
+        lanes = [lane for lane in (self.gen, self.train) if lane is not None]
+        for lane in lanes:
+            self.d.abort(lane.batch, f"{err.stage!r} failed: {err.summary}")
+        inflight = [r for lane in lanes for r in lane.refs]
+        if inflight:
+            try:
+                ray.wait(inflight, num_returns=len(inflight), timeout=5)
+            except RayError:
+                pass
         self.gen = self.train = None
-        self.c.broken = (f"{type(err).__name__} in the {lane.kind} lane of schedule "
-                         f"{self.schedule.kind!r}: call resume() to restart from the last checkpoint")

@@ -1,7 +1,7 @@
 """Weight sync between worker groups: the training group publishes each new policy
 version, the generation group pulls it.
 
-    train workers:  state = engines["weights"].export_state()   (collective: FSDP gathers)
+    train workers:  state = engines.weights.export_state()   (collective: FSDP gathers)
                     tensor-parallel rank 0 of dp rank 0: ray.put(state) -> board.post(version, ref)
     rollout workers: at the start of a generation (and, with partial rollouts, between
                     decode chunks): board.latest() -> newer? ray.get(ref) -> import_state

@@ -35,6 +35,7 @@ from distflow_lab.datasets.loader import ShardedLoader, make_loader
 from distflow_lab.graph.nodes import call_stage, resolve_function
 from distflow_lab.graph.planner import Plan, Stage
 from distflow_lab.runtime.context import StageContext, stage_context
+from distflow_lab.runtime.engines import StageState, WorkerEngines, check_engines
 from distflow_lab.runtime.profiling import ProfileSpec, profile_stage
 from distflow_lab.runtime.progress import ProgressNote
 from distflow_lab.runtime.results import StageResult
@@ -52,7 +53,7 @@ class WorkerSetup:
     plane: WorkerSpec  # the worker half of the data plane, bound on the worker
     session: str = ""  # names this session's progress notes
     config: Any = None  # the run config, visible to stages as ctx.config
-    engines: str | Callable | None = None  # factory(ctx, config) -> dict of engines
+    engines: str | Callable | None = None  # factory(ctx, config) -> engines (runtime.engines.WorkerEngines)
     keep_outputs: bool = True  # keep each stage's output of the latest step (for peek)
     threads: int = 1
     profile: ProfileSpec | None = None  # torch.profiler traces of chosen stages and steps
@@ -79,7 +80,7 @@ class DAGWorker:
         self.rec = SpanRecorder(rank, self.node)
         self.port: WorkerPort | None = None
         self.outputs: dict[str, Batch] = {}
-        self.engines: dict[str, Any] = {}
+        self.engines: WorkerEngines = StageState()
         self.loader: ShardedLoader | None = None
         self.groups: dict[str, Any] = {}
         self.faults: list[dict] = []
@@ -106,7 +107,8 @@ class DAGWorker:
         self.mine = [st.index for st in self.plan.stages_on(self.rank)]  # the stages this worker runs
         if s.engines is not None:
             home = self.plan.stages[self.mine[0]] if self.mine else first
-            self.engines = resolve_function(s.engines, node="engines")(self._ctx(0, home), s.config) or {}
+            made = resolve_function(s.engines, node="engines")(self._ctx(0, home), s.config)
+            self.engines = check_engines(made, s.engines if isinstance(s.engines, str) else repr(s.engines))
         gc.collect()
         gc.freeze()  # start-up objects (torch, Ray) leave the GC's view: later collections stay short
         return {"rank": self.rank, "node": self.node, "pid": os.getpid(),
@@ -133,10 +135,8 @@ class DAGWorker:
 
     def _reset(self) -> None:
         self._clear_step()
-        for e in self.engines.values():
-            if hasattr(e, "close"):
-                e.close()
-        self.engines, self.loader, self.faults = {}, None, []
+        self.engines.close()
+        self.engines, self.loader, self.faults = StageState(), None, []
         if self.note is not None:
             self.note.close()
             self.note = None
@@ -193,17 +193,20 @@ class DAGWorker:
             results = self.run_segment(step, stages)
         finally:
             self._trains_by = None
-        w = self.engines.get("weights")
+        w = self.engines.weights
         version = w.version if w is not None else 0
         return {"results": results, "version": version, "checksum": w.checksum() if w is not None else 0.0,
                 "version_min": version if self._version_min is None else self._version_min}
 
     def train_segment(self, step: int, stages: list[int]) -> dict:
-        """A training segment, then publish the updated policy (collective export)."""
+        """A training segment, then publish the updated policy (collective export). Returns the
+        results and the policy version before and after the segment (None: no weights engine;
+        the driver checks that each update advanced it by one)."""
+        before = self.engines.weights.version if self.engines.weights is not None else None
         results = self.run_segment(step, stages)
-        w = self.engines.get("weights")
+        w = self.engines.weights
         if w is None:
-            return {"results": results, "version": 0, "checksum": 0.0}
+            return {"results": results, "version": None, "version_before": before, "checksum": 0.0}
         last = self.plan.stages[stages[-1]]
         with self.rec.span(step, last.id, "weight_sync") as sp:
             state = w.export_state()  # collective over the training group (FSDP gathers)
@@ -213,12 +216,12 @@ class DAGWorker:
                 ray.get(self.s.board.post.remote(w.version, [ray.put(state)], checksum, sp.bytes), timeout=60)
         if results:
             results[-1].spans.extend(self.rec.take())
-        return {"results": results, "version": w.version, "checksum": checksum}
+        return {"results": results, "version": w.version, "version_before": before, "checksum": checksum}
 
     def pull_weights(self, step: int, stage: str) -> int:
         """Load the newest published policy if it is newer than ours; returns our version.
         A stage function calls it between decode chunks for partial rollouts."""
-        w = self.engines.get("weights")
+        w = self.engines.weights
         if w is None or self.s.board is None:
             return 0
         version, refs, _, nbytes = ray.get(self.s.board.latest.remote(), timeout=60)
@@ -311,7 +314,7 @@ class DAGWorker:
         """A few rows of a stage's latest output as plain values, decoded to text when
         this worker has a tokenizer (only these rows travel to the driver)."""
         out = self.outputs.get(stage_id)
-        return [] if out is None else sample_rows(out, n, self.engines.get("tokenizer"), self.rank)
+        return [] if out is None else sample_rows(out, n, self.engines.tokenizer, self.rank)
 
     def lengths(self, stage_id: str) -> np.ndarray | None:
         """Token length of every item of a stage's latest output (metadata for load-balance plots)."""
@@ -373,10 +376,9 @@ class DAGWorker:
         """Trainable engines (collective: every worker calls) and this rank's loader position."""
         d = Path(directory)
         saved = []
-        for name, e in self.engines.items():
-            if callable(getattr(e, "save", None)) and getattr(e, "optimizer", None) is not None:
-                e.save(d / name)
-                saved.append(name)
+        for name, e in self.engines.checkpointed().items():
+            e.save(d / name)
+            saved.append(name)
         if self.loader is not None and self.plan.stages[0].group_rank(self.rank) == 0:
             d.mkdir(parents=True, exist_ok=True)
             (d / f"loader_dp{self.loader.dp_rank}.json").write_text(json.dumps(self.loader.state_dict()))
@@ -385,13 +387,11 @@ class DAGWorker:
     def load_checkpoint(self, directory: str) -> list[str]:
         d = Path(directory)
         loaded = []
-        for name, e in self.engines.items():
-            if callable(getattr(e, "load", None)) and (d / name).is_dir():
+        for name, e in self.engines.checkpointed().items():
+            if (d / name).is_dir():
                 e.load(d / name)
                 loaded.append(name)
-        for e in self.engines.values():
-            if callable(getattr(e, "after_load", None)):
-                e.after_load()
+        self.engines.after_load()
         if self.loader is not None:
             f = d / f"loader_dp{self.loader.dp_rank}.json"
             if not f.exists():

@@ -25,11 +25,11 @@ from distflow_lab.experiments.bench import verl_peer
 from distflow_lab.experiments.bench.common import memcpy_gbps, print_table, step_row, summarize, write_json
 from distflow_lab.experiments.bench.shape import rollout_tp_for
 from distflow_lab.experiments.synthetic import synthetic_grpo
+from distflow_lab.core.config import MODES
 from distflow_lab.graph.dag import DAG
 from distflow_lab.observe.span_stats import stage_breakdown
 from distflow_lab.runtime.cluster import connect, shutdown
 
-MODES = ("centralized", "coordinator", "distributed")
 
 
 def bench_dag(batch: int, context: int, workers: int, n: int = 4, rollout_tp: int = 2, **kw):

@@ -20,6 +20,7 @@ import ray
 from tqdm.auto import tqdm
 
 from distflow_lab.api.session import Session
+from distflow_lab.core.config import MODES
 from distflow_lab.experiments.bench.common import print_table, write_json
 from distflow_lab.experiments.bench.dataplane import bench_dag, start_cluster
 
@@ -126,7 +127,7 @@ class PeakRSS:
         return self.peak - self.before
 
 
-def sweep_batch(batches: list[int] = (16, 64, 256), modes: list[str] = ("distributed", "coordinator", "centralized"),
+def sweep_batch(batches: list[int] = (16, 64, 256), modes: list[str] = tuple(reversed(MODES)),
                 context: int = 1024, workers: int = 4, steps: int = 3, n: int = 4, session=None,
                 json_path: str | None = None, progress: bool = True) -> pd.DataFrame:
     """For each data plane and batch (responses per step): bytes through the driver per step

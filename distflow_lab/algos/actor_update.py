@@ -1,0 +1,103 @@
+"""The one actor update, shared by every algorithm. An algorithm hands it only its
+policy-gradient loss (and, for DAPO, its actor options); everything else is here,
+written once:
+
+    for each mini-batch:  loss = policy_loss(pi_old, pi, A)          (PPO clip, GSPO, ...)
+                                 x off-policy weight w_t              (actor.off_policy: decoupled | tis)
+                                 + kl_loss_coef * KL(pi || pi_ref)    (actor.use_kl_loss)
+                                 - entropy_coeff * H(pi)              (actor.entropy_coeff > 0)
+                          one optimizer step (FSDP2, token-budget micro-batches)
+    policy.updated()      the policy version advances; a colocated rollout knows it lags, and on
+                          worker groups the training group publishes the new version
+
+So no algorithm can forget to publish its weights, read a column another forgot to
+send, or ignore an off-policy correction.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from distflow_lab.algos.losses import gspo_token_loss, kl_penalty, masked_mean, off_policy_weights, ppo_token_loss
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import ActorOptions
+from distflow_lab.runtime.context import StageContext
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+
+# policy_loss(old_log_probs, log_probs, advantages, response_mask, actor options) -> ([B, T] loss, metrics)
+PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ActorOptions],
+                      tuple[torch.Tensor, dict[str, float]]]
+
+
+def ppo_policy(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+               a: ActorOptions) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's token-level clipped surrogate with dual clip (GRPO, PPO, DAPO)."""
+    return ppo_token_loss(old, new, adv, mask, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c)
+
+
+def gspo_policy(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                a: ActorOptions) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO's sequence-level clipped surrogate."""
+    return gspo_token_loss(old, new, adv, mask, a.clip_ratio_low, a.clip_ratio_high)
+
+
+def needed_columns(a: ActorOptions) -> list[str]:
+    """The columns the update reads: the model inputs, and what each enabled term needs."""
+    cols = [*MODEL_INPUTS, "response_mask", "old_log_probs", "advantages"]
+    if a.off_policy != "none":
+        cols.append("rollout_log_probs")
+    if a.use_kl_loss:
+        cols.append("ref_log_probs")
+    return cols
+
+
+def actor_loss(a: ActorOptions, policy_loss: PolicyLoss):
+    """The per-token loss the training engine aggregates: `loss_fn(mb, log_probs, entropy)
+    -> (loss [B, T], mask, metrics)`, composed as in the module docstring."""
+
+    def loss_fn(mb: dict, log_probs: torch.Tensor, entropy: torch.Tensor | None):
+        mask = mb["response_mask"]
+        loss, metrics = policy_loss(mb["old_log_probs"], log_probs, mb["advantages"], mask, a)
+        if a.off_policy != "none":  # samples from an older policy: weigh by pi_prox / pi_behaviour
+            w, more = off_policy_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.off_policy, a.is_cap,
+                                         behav_cap=a.behav_imp_weight_cap)
+            loss, metrics = loss * w, {**metrics, **more}
+        if a.use_kl_loss:
+            kl = kl_penalty(log_probs, mb["ref_log_probs"], a.kl_loss_type)
+            loss = loss + a.kl_loss_coef * kl
+            metrics["kl"] = masked_mean(kl.detach(), mask).item()
+        if a.entropy_coeff and entropy is not None:
+            loss = loss - a.entropy_coeff * entropy
+        return loss, mask, metrics
+
+    return loss_fn
+
+
+def update_actor(batch: Batch, ctx: StageContext, policy_loss: PolicyLoss, actor: ActorOptions | None = None) -> Batch:
+    """The actor-update stage body: `actor.mini_batches` optimizer steps over the batch, then a
+    new policy version. `actor` overrides the run's actor options (DAPO's switches)."""
+    a, e = actor or ctx.config.actor, ctx.engines
+    cols = {k: batch[k] for k in needed_columns(a)}
+    per_step = [e.actor.train_step(mini, actor_loss(a, policy_loss), a.loss_agg_mode,
+                                   with_entropy=a.entropy_coeff > 0)
+                for mini in mini_batches(cols, a.mini_batches)]
+    e.policy.updated()
+    ctx.log(**{f"actor/{k}": v for k, v in over_steps(per_step).items()})
+    return batch
+
+
+def over_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Metrics of several optimizer steps: the mean, except `*_max` (the max) and `lr` (the last)."""
+    out = {}
+    for k in per_step[-1]:
+        values = [m[k] for m in per_step if k in m]
+        out[k] = max(values) if k.endswith("_max") else values[-1] if k == "lr" else sum(values) / len(values)
+    return out
+
+
+def mini_batches(cols: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor]]:
+    """k consecutive slices of the batch (one optimizer step each)."""
+    n = len(cols["input_ids"])
+    return [{name: t[i * n // k:(i + 1) * n // k] for name, t in cols.items()} for i in range(k)]

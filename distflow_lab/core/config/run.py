@@ -1,0 +1,374 @@
+"""The RL run's config: model, data, rollout, actor and critic, algorithm, reward, trainer,
+worker groups, and the session it runs in (`RunConfig.session`, a `SessionConfig`: mode,
+seed, cluster, switches, schedule). Engines take these sections as they are.
+
+A run config is written flat, as users always have (`mode: coordinator`, `seed: 3`,
+`cluster.world_size=2`, `switches.balance=kk`, `schedule.kind=one_step_off`): those keys are
+the session's and move under `session` before validation; `session.mode` works as well,
+and a key given both ways is an error. `cfg.mode`, `cfg.cluster`, ... read the session's."""
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Callable, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from distflow_lab.core.config.base import Strict
+from distflow_lab.core.config.session import (ClusterOptions, Mode, ProfileOptions, ScheduleOptions, SessionConfig,
+                                              Switches, check_groups, check_schedule, check_switches)
+from distflow_lab.core.errors import ConfigError
+
+
+class TinySpec(Strict):
+    """A random-init tiny Qwen2 (built offline when `model.path` holds no model); the vocabulary comes from the tokenizer."""
+
+    hidden_size: int = 64
+    """Residual width (and of the tied embedding)."""
+    num_layers: int = 2
+    """Decoder blocks."""
+    num_heads: int = 4
+    """Query heads per attention layer; must divide hidden_size."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    intermediate_size: int = 256
+    """Hidden width of the SwiGLU MLP."""
+    max_position_embeddings: int = 64
+    """Longest prompt + response the model accepts."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+
+
+class WarmStart(Strict):
+    """Supervised warm-up (SFT) so RL starts from a policy with non-zero reward."""
+
+    steps: int = Field(default=0, ge=0)
+    """SFT optimizer steps before RL (0: none). The result is cached next to the model."""
+    lr: float = 3e-3
+    """SFT learning rate."""
+    batch_size: int = 64
+    """Examples per SFT step."""
+
+
+class ModelOptions(Strict):
+    path: str = "models/tiny-qwen2"
+    """Local model directory (a Hugging Face checkpoint, e.g. Qwen2.5; never downloaded). Relative: under the cache dir."""
+    tiny: TinySpec | None = Field(default_factory=TinySpec)
+    """Build this tiny model at `path` if it holds none (None: `path` must hold a checkpoint)."""
+    warm_start: WarmStart = Field(default_factory=WarmStart)
+    """SFT warm-up before RL."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype (bfloat16 on GPU)."""
+
+
+class DataOptions(Strict):
+    train: str = "arithmetic"
+    """verl-schema parquet/jsonl path, or "arithmetic" (generated) or "gsm8k" (converted from ../shared)."""
+    prompts_per_step: int = Field(default=16, ge=1)
+    """Prompts in the global batch of one step (each gets `rollout.n` responses)."""
+    max_prompt_len: int = Field(default=16, ge=1)
+    """P: prompts are left-padded to this many tokens; longer ones are truncated (counted and reported)."""
+    shuffle: bool = True
+    """Shuffle each rank's shard every epoch (seeded)."""
+    arithmetic_rows: int = 4096
+    """Rows generated for the arithmetic task."""
+    arithmetic_max_operand: int = 9
+    """Largest operand of the arithmetic task (difficulty)."""
+    cache_dir: str = "data"
+    """Where generated (arithmetic) and converted (GSM8K) parquet files go. Relative: under the cache dir."""
+
+
+class VLLMOptions(Strict):
+    """The vLLM engine (rollout.engine: vllm). vLLM runs inside every DAG worker, beside the FSDP2
+    trainer on the same GPU, so its memory is a share of the GPU (README, "GPU")."""
+
+    gpu_memory_utilization: float = Field(default=0.5, gt=0, lt=1)
+    """Share of the GPU's total memory vLLM may take (weights, activations, KV cache); that much must be free when it starts."""
+    kv_cache_gib: float | None = Field(default=None, gt=0)
+    """KV cache per GPU in GiB (vLLM's kv_cache_memory_bytes); None: whatever gpu_memory_utilization leaves after weights and activations."""
+    enable_sleep_mode: bool = True
+    """Free vLLM's weights and KV cache while the trainer runs (sleep level 2); the next weight sync refills the weights."""
+    enforce_eager: bool = False
+    """No CUDA graphs: faster start-up and less memory, slower decoding."""
+    weight_sync_bucket_mib: int = Field(default=512, ge=1)
+    """Weight sync gathers and loads at most this many MiB of parameters at a time (a larger single tensor goes alone)."""
+
+
+class RolloutOptions(Strict):
+    """Sampling settings, shared by the HF and vLLM rollout engines."""
+
+    engine: Literal["hf", "vllm"] = "hf"
+    """transformers generate (CPU/GPU) or vLLM (GPU only, the [gpu] extra; untested here)."""
+    n: int = Field(default=8, ge=1)
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = Field(default=1.0, gt=0, le=2)
+    """Sampling temperature (the trainer divides logits by it too); vLLM accepts at most 2."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=0, ge=0)
+    """Top-k truncation (0: off)."""
+    do_sample: bool = True
+    """False: greedy decoding (validation); then n must be 1."""
+    log_probs: bool = False
+    """Also return `rollout_log_probs` (log p of each sampled token under logits / temperature)."""
+    max_response_len: int = Field(default=8, ge=1)
+    """R: new tokens at most; responses are right-padded to R."""
+    micro_batch: int = Field(default=256, ge=1)
+    """Sequences per generate() call (HF); vLLM: the most sequences it decodes at once (max_num_seqs)."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size of the rollout layout (dp = world_size // tp); vLLM shards each engine over its tp consecutive workers."""
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
+    """vLLM engine settings (memory, sleep mode, weight-sync buckets); unused by the hf engine."""
+
+    @model_validator(mode="after")
+    def _greedy_single(self) -> "RolloutOptions":
+        if not self.do_sample and self.n > 1:
+            raise ValueError(f"n={self.n} with do_sample=false: greedy decoding gives {self.n} identical responses "
+                             "(and vLLM rejects it); set n=1 or do_sample=true")
+        return self
+
+
+class Optim(Strict):
+    """AdamW settings (the actor's and the critic's sections extend this one)."""
+
+    lr: float = Field(default=1e-3, gt=0)
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam moment decay rates."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    grad_clip: float = 1.0
+    """Max global grad norm; <= 0 disables clipping (the norm is still reported)."""
+
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+KLKind = Literal["k1", "k3", "low_var_kl", "abs", "mse"]
+
+
+class ActorOptions(Optim):
+    micro_token_budget: int = Field(default=4096, ge=1)
+    """Real tokens per micro-batch (gradient accumulation is normalized: grouping does not change the update)."""
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
+    clip_ratio_low: float = Field(default=0.2, ge=0)
+    """PPO clip: ratio >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = Field(default=0.2, ge=0)
+    """PPO clip: ratio <= 1 + clip_ratio_high."""
+    clip_ratio_c: float = Field(default=3.0, gt=1)
+    """Dual clip for negative advantages (> 1)."""
+    loss_agg_mode: LossAgg = "token-mean"
+    """How per-token losses become one number."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight."""
+    use_kl_loss: bool = True
+    """Add a KL(actor || reference) loss term (GRPO style)."""
+    kl_loss_coef: float = 0.01
+    """Weight of the KL loss."""
+    kl_loss_type: KLKind = "low_var_kl"
+    """KL estimator for the loss (k3 = low_var_kl)."""
+    off_policy: Literal["none", "decoupled", "tis"] = "none"
+    """Correct for samples from an older policy (async schedules): decoupled PPO, or truncated IS (needs rollout.log_probs)."""
+    is_cap: float = Field(default=2.0, gt=0)
+    """Truncated IS: the cap on pi_prox / pi_behaviour."""
+    behav_imp_weight_cap: float | None = Field(default=None, gt=1)
+    """Decoupled PPO (off_policy=decoupled only): drop tokens whose pi_prox / pi_behaviour exceeds this from the loss (AReaL); None: keep all."""
+
+
+class CriticOptions(Optim):
+    cliprange_value: float = 0.5
+    """Value clipping range."""
+    micro_token_budget: int = Field(default=4096, ge=1)
+    """Real tokens per critic micro-batch."""
+
+
+class DAPOOptions(Strict):
+    """DAPO's four parts (Yu et al., 2025, arXiv:2503.14476), each a switch; they apply only when
+    algorithm.name is dapo (setting one for another algorithm is an error naming it)."""
+
+    clip_higher: bool = True
+    """Decoupled clip: ratio in [1 - actor.clip_ratio_low, 1 + actor.clip_ratio_high] (needs high >= low); off: [1 - low, 1 + low]."""
+    dynamic_sampling: bool = True
+    """Drop prompt groups whose accuracies are all equal (zero advantage) and sample again until the batch is full."""
+    oversample: float = Field(default=1.5, ge=1)
+    """Dynamic sampling: prompts generated in the first round = data.prompts_per_step x this (rounded up to the rollout's dp)."""
+    max_rounds: int = Field(default=3, ge=1)
+    """Dynamic sampling: generation rounds at most, the first included; a rank still short then trains on fewer groups."""
+    token_level_loss: bool = True
+    """Token-level loss (token-mean: every token weighs the same); off: seq-mean-token-mean (GRPO's per-sample mean)."""
+    overlong_shaping: bool = True
+    """Soft overlong penalty: 0 down to -overlong_penalty_factor over the last overlong_buffer_len tokens before rollout.max_response_len."""
+    overlong_buffer_len: int | None = Field(default=None, ge=1)
+    """Overlong shaping: the length window L_cache (None: a quarter of rollout.max_response_len, at least 1); must be < rollout.max_response_len."""
+    overlong_penalty_factor: float = Field(default=1.0, ge=0)
+    """Overlong shaping: the penalty at (and past) rollout.max_response_len."""
+
+    def buffer_len(self, max_response_len: int) -> int:
+        """The overlong window L_cache in tokens."""
+        return self.overlong_buffer_len if self.overlong_buffer_len is not None else max(1, max_response_len // 4)
+
+
+class AlgorithmOptions(Strict):
+    name: str = "grpo"
+    """Which algorithm (its DAG and stages): one registered in `distflow_lab.algos.registry` (grpo, ppo, ...)."""
+    adv_estimator: str | None = None
+    """Advantage estimator; None: the algorithm's default. Each algorithm lists the estimators it supports."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * KL(old || ref) from the token rewards (PPO style)."""
+    kl_coef: float = 0.001
+    """Weight of the KL reward penalty."""
+    kl_penalty: KLKind = "k1"
+    """KL estimator for the reward penalty."""
+    dapo: DAPOOptions = Field(default_factory=DAPOOptions)
+    """DAPO's switches (algorithm.name dapo only)."""
+
+
+class RewardOptions(Strict):
+    fn: str | Callable = "auto"
+    """"auto" picks by data_source (GSM8K, arithmetic); or a "module:function" / a function taking (response, ground_truth)."""
+    by_source: dict[str, str | Callable] = Field(default_factory=dict)
+    """Reward functions by data_source, over the built-in ones; they travel to the workers with the config."""
+
+
+class TrainerOptions(Strict):
+    steps: int = Field(default=20, ge=1)
+    """RL steps to run."""
+    out_dir: str | None = None
+    """Where metrics, spans, trace, report and checkpoints go: a new runs/<config name>/run-NNN under it (None: under runs/<config name>)."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every this many steps (0: only when asked)."""
+    loggers: list[Literal["console", "tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
+    """Experiment trackers that log every step's metrics (pip install 'distflow_lab[trackers]'; W&B runs offline)."""
+    profile: ProfileOptions | None = None
+    """torch.profiler traces of chosen stages and steps, under the run's folder (profiles/)."""
+
+
+SESSION_KEYS: tuple[str, ...] = ("mode", "seed", "cluster", "switches", "schedule")
+"""The session's keys a run config takes at its top level (flat), as well as under `session`."""
+
+
+def run_session() -> SessionConfig:
+    """The session an RL run gets unless it says otherwise: two workers with torch.distributed (FSDP2
+    trains over them), where a plain session has four and none. A key the run gives (flat or under
+    `session`) replaces that key of this default as a whole, as a section of any config does."""
+    return SessionConfig(cluster=ClusterOptions(world_size=2, torch_distributed=True))
+
+
+class RunConfig(Strict):
+    """Everything one RL run needs. Load with `load_run_config(path, overrides)`."""
+
+    flat_keys: ClassVar[dict[str, tuple[str, ...]]] = {"session": SESSION_KEYS}
+    """Sections whose keys are also written at the top level (see the module docstring)."""
+
+    name: str = "run"
+    """A label for outputs (the preset or YAML file name by default)."""
+    session: SessionConfig = Field(default_factory=run_session)
+    """Where and how the workers run: mode, seed, cluster, switches, schedule (usually written flat: `mode: coordinator`, `cluster.world_size=2`). Default: 2 workers with torch.distributed. Profiling is `trainer.profile`."""
+    model: ModelOptions = Field(default_factory=ModelOptions)
+    """The policy model."""
+    data: DataOptions = Field(default_factory=DataOptions)
+    """Training prompts."""
+    rollout: RolloutOptions = Field(default_factory=RolloutOptions)
+    """Generation."""
+    actor: ActorOptions = Field(default_factory=ActorOptions)
+    """Policy update."""
+    critic: CriticOptions = Field(default_factory=CriticOptions)
+    """Value model (PPO)."""
+    algorithm: AlgorithmOptions = Field(default_factory=AlgorithmOptions)
+    """Algorithm and advantage estimator."""
+    reward: RewardOptions = Field(default_factory=RewardOptions)
+    """Reward function."""
+    trainer: TrainerOptions = Field(default_factory=TrainerOptions)
+    """Steps, output, checkpoints."""
+    groups: dict[str, int] | None = None
+    """Worker groups, generation first then training (e.g. {rollout: 1, train: 1}); None: every stage on every worker."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _session_section(cls, data: Any) -> Any:
+        """Flat session keys move under `session`, over the run's default session (`run_session`)."""
+        if not isinstance(data, dict):
+            return data
+        given = data.get("session", {})
+        if isinstance(given, SessionConfig):
+            given = {k: getattr(given, k) for k in given.model_fields_set}
+        if not isinstance(given, dict):
+            return data  # pydantic names what is wrong with it
+        flat = {k: data[k] for k in SESSION_KEYS if k in data}
+        twice = sorted(set(flat) & set(given))
+        if twice:
+            raise ValueError(f"{twice[0]!r} is given twice, as `{twice[0]}` and as `session.{twice[0]}`: keep one")
+        default = run_session()
+        base = {k: getattr(default, k) for k in default.model_fields_set}
+        rest = {k: v for k, v in data.items() if k not in SESSION_KEYS}
+        return {**rest, "session": {**base, **given, **flat}}
+
+    @model_validator(mode="after")
+    def _run_owns(self) -> "RunConfig":
+        if self.session.algo is not None:
+            raise ValueError("session.algo is the run config itself (stages see it as ctx.config): leave it out")
+        if self.session.profile is not None:
+            raise ValueError("session.profile: a run profiles with trainer.profile (traces under the run's folder)")
+        return self
+
+    # The session's parts, read where they were before they moved into `session` (read-only).
+    @property
+    def mode(self) -> Mode:
+        return self.session.mode
+
+    @property
+    def seed(self) -> int:
+        return self.session.seed
+
+    @property
+    def cluster(self) -> ClusterOptions:
+        return self.session.cluster
+
+    @property
+    def switches(self) -> Switches:
+        return self.session.switches
+
+    @property
+    def schedule(self) -> ScheduleOptions:
+        return self.session.schedule
+
+    def session_config(self) -> SessionConfig:
+        """The config the controller gets: this run's session, the trainer's profile, and the run config
+        itself as `algo` (the stages' `ctx.config`)."""
+        return self.session.model_copy(update={"profile": self.trainer.profile, "algo": self})
+
+    def check_sizes(self) -> None:
+        """Impossible sizes fail here, before any worker starts."""
+        s = self.session
+        w, tp = s.cluster.world_size, self.rollout.tp
+        check_groups(self.groups, world_size=w, schedule=s.schedule.kind, pair=True, where="groups",
+                     world_size_key="cluster.world_size")
+        gen, train = self.groups.values() if self.groups else (w, w)
+        where = "the generation group's" if self.groups else "cluster.world_size"
+        if gen % tp:
+            raise ConfigError(f"rollout.tp={tp} does not divide {where} {gen} workers")
+        dp = gen // tp
+        if self.data.prompts_per_step % dp:
+            raise ConfigError(f"data.prompts_per_step={self.data.prompts_per_step} is not divisible by the rollout's "
+                              f"data-parallel size {dp} ({where} {gen} / rollout.tp {tp})")
+        responses = self.data.prompts_per_step * self.rollout.n
+        if responses % train:
+            raise ConfigError(f"prompts_per_step x rollout.n = {responses} responses cannot be split evenly over "
+                              f"{train} training workers")
+        if self.actor.mini_batches > 1 and (responses // train) % self.actor.mini_batches:
+            raise ConfigError(f"actor.mini_batches={self.actor.mini_batches} does not divide the "
+                              f"{responses // train} responses per worker")
+        if self.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine=vllm but vLLM is not installed: it needs the [gpu] extra "
+                              "(pip install -e '.[gpu]') and a CUDA GPU; use rollout.engine=hf on CPU")
+        if s.cluster.world_size > 1 and not s.cluster.torch_distributed:
+            raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
+        check_switches(s.mode, s.switches)
+        check_schedule(s.mode, s.schedule, self.groups)
+        if self.actor.off_policy != "none" and not self.rollout.log_probs:
+            raise ConfigError(f"actor.off_policy={self.actor.off_policy} needs the behaviour log-probs: set "
+                              "rollout.log_probs=true")
