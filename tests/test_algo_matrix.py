@@ -88,3 +88,18 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
             assert rollout == [0.0, 1.0, 2.0], (where, rollout)
         if "actor.off_policy=decoupled" in overrides or "actor.off_policy=tis" in overrides:
             assert all("actor/is_ratio_mean" in x for x in m), where
+
+
+def test_a_checkpoint_on_worker_groups_resumes_at_its_policy_version(ray_cluster, small, tmp_path):
+    """The loaded policy is published again: the rollout group continues from it (before, it restarted
+    from the initial weights, and every batch looked too stale to train)."""
+    cfg = load_run_config("tiny-cpu-grpo", small + [GROUPS, "schedule.kind=one_step_off", "mode=coordinator"])
+    with open_session(cfg, progress=False) as s:
+        s.step(), s.step()
+        ckpt = s.save_checkpoint(tmp_path / "ckpt")
+    with open_session(cfg, progress=False) as s:
+        assert s.load_checkpoint(ckpt) == 2
+        m = [s.step().metrics for _ in range(2)]
+    assert [x["schedule/policy_version"] for x in m] == [3.0, 4.0]
+    assert all(x["schedule/rollout_version"] >= 2 for x in m), m  # generated from the loaded policy or newer
+    assert max(x["schedule/staleness"] for x in m) <= 1

@@ -22,7 +22,7 @@ import ray
 
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.spans import DRIVER, Span, SpanRecorder
-from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup
+from distflow_lab.dataplane.interface import EndOfStep, Fetched, PlaneSetup, ledger_row
 from distflow_lab.dataplane.routing import assign, item_groups, item_lengths
 from distflow_lab.datasets.loader import ShardedLoader, make_loader
 from distflow_lab.graph.nodes import call_stage, resolve_function
@@ -85,9 +85,8 @@ class CentralizedPlane:
             refs = list(self.pool.map(ray.put, chunks))
             sp.bytes = sum(c.nbytes for c in chunks)
             self.rpcs += len(chunks)
-        self._counts[edge.name] = {"step": step, "edge": edge.name, "items_reported": len(self.batch),
-                                   "items_in": sum(len(c) for c in chunks), "items_out": 0,
-                                   "pieces_in": len(chunks), "pieces_out": 0}
+        self._counts[edge.name] = ledger_row(step, edge.name, items_reported=len(self.batch),
+                                             items_in=sum(len(c) for c in chunks), pieces_in=len(chunks))
         return [[refs[stage.dp_rank(w)]] for w in stage.ranks]
 
     def stage_done(self, step: int, stage: "Stage", handoffs: list[Any]) -> list[Span]:

@@ -7,7 +7,7 @@ import importlib
 import inspect
 from typing import Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from distflow_lab.core.config import Contract, DataSpec
 from distflow_lab.core.errors import DAGError
@@ -67,6 +67,10 @@ class Node(BaseModel):
         if isinstance(v, str) and v.count(":") != 1:
             raise ValueError(f"function {v!r} must look like 'package.module:function'")
         return v
+
+    @field_serializer("fn")
+    def _fn_by_name(self, fn: str | StageFn) -> str:  # a dump names the function the same way either form
+        return self.fn_name()
 
     @model_validator(mode="after")
     def _data_only_on_loaders(self) -> "Node":

@@ -457,7 +457,10 @@ class TrainEngine:
         world size can load them. Collective under FSDP.
         """
         directory = Path(directory)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # cpu_offload gathers onto GLOBAL rank 0 only: a training group without it (worker groups) gathers
+        # onto each of its ranks instead, and its rank 0 writes
+        offload = self.distributed and dist.get_global_rank(self.group, 0) == 0
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=offload)
         msd = get_model_state_dict(self.model, options=opts)
         osd = get_optimizer_state_dict(self.model, self.optimizer, options=opts) if self.optimizer else None
         if self.rank == 0:

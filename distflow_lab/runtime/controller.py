@@ -37,7 +37,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from tqdm.auto import tqdm
 
-from distflow_lab.core.config import SessionConfig
+from distflow_lab.core.config import SessionConfig, check_groups, check_schedule
 from distflow_lab.core.errors import (CheckpointError, ConfigError, PlaneLost, SessionBroken, StageError,
                                       StageTimeout, WorkerLost)
 from distflow_lab.core.spans import spans_to_frame
@@ -82,9 +82,8 @@ class Controller:
         self._step_t0 = 0.0
         self._rpcs_at_start = 0
         self._inflight: list = []  # the refs of the last gather, awaited (bounded) after a failure
-        if config.schedule.kind != "sync" and not self.plan.groups:
-            raise ConfigError(f"schedule {config.schedule.kind!r} needs a DAG on two worker groups (generation, then "
-                              f"training): dag.with_groups(rollout=..., train=...); DAG {dag.name!r} has none")
+        check_groups(dag.groups, schedule=config.schedule.kind, where=f"DAG {dag.name!r}")
+        check_schedule(plane.mode, config.schedule, dag.groups)  # both before any worker starts
         first = self.plan.stages[0]
         if first.type == "data_load" and first.data is not None:  # bad data fails here, before any worker starts
             check_data_node(first.data, first.dp)

@@ -207,16 +207,22 @@ class DAGWorker:
         w = self.engines.weights
         if w is None:
             return {"results": results, "version": None, "version_before": before, "checksum": 0.0}
-        last = self.plan.stages[stages[-1]]
+        checksum = self._publish(step, self.plan.stages[stages[-1]])
+        if results:
+            results[-1].spans.extend(self.rec.take())
+        return {"results": results, "version": w.version, "version_before": before, "checksum": checksum}
+
+    def _publish(self, step: int, last: Stage) -> float:
+        """Post this training group's policy at its version to the WeightBoard (a `weight_sync` span
+        on `last`, the group's last stage); collective over the group. Returns its checksum."""
+        w = self.engines.weights
         with self.rec.span(step, last.id, "weight_sync") as sp:
             state = w.export_state()  # collective over the training group (FSDP gathers)
             checksum = state_checksum(state) if state is not None else 0.0
             if state is not None and last.dp_rank(self.rank) == 0 and last.group_rank(self.rank) == 0:
                 sp.bytes = state_bytes(state)
                 ray.get(self.s.board.post.remote(w.version, [ray.put(state)], checksum, sp.bytes), timeout=60)
-        if results:
-            results[-1].spans.extend(self.rec.take())
-        return {"results": results, "version": w.version, "version_before": before, "checksum": checksum}
+        return checksum
 
     def pull_weights(self, step: int, stage: str) -> int:
         """Load the newest published policy if it is newer than ours; returns our version.
@@ -392,6 +398,10 @@ class DAGWorker:
                 e.load(d / name)
                 loaded.append(name)
         self.engines.after_load()
+        w = self.engines.weights
+        if w is not None and self.s.board is not None and w.version > 0 and self.mine:
+            self._publish(w.version, self.plan.stages[self.mine[-1]])  # the rollout group pulls the loaded policy
+            self.rec.take()
         if self.loader is not None:
             f = d / f"loader_dp{self.loader.dp_rank}.json"
             if not f.exists():

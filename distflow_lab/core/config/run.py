@@ -174,6 +174,13 @@ class ActorOptions(Optim):
     behav_imp_weight_cap: float | None = Field(default=None, gt=1)
     """Decoupled PPO (off_policy=decoupled only): drop tokens whose pi_prox / pi_behaviour exceeds this from the loss (AReaL); None: keep all."""
 
+    @model_validator(mode="after")
+    def _cap_needs_decoupled(self) -> "ActorOptions":
+        if self.behav_imp_weight_cap is not None and self.off_policy != "decoupled":
+            raise ValueError(f"behav_imp_weight_cap applies to off_policy='decoupled' only; off_policy is "
+                             f"{self.off_policy!r} (truncated IS caps with is_cap)")
+        return self
+
 
 class CriticOptions(Optim):
     cliprange_value: float = 0.5
