@@ -67,6 +67,9 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
         cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}"])
         with open_session(cfg, progress=False) as s:
             reports = [s.step() for _ in range(UPDATES)]
+            if algo == "grpo" and schedule == "groups-sync":  # the figure: 3 per-step series + the token histogram
+                fig = s.mismatch()
+                assert [t.type for t in fig.data] == ["scatter"] * 3 + ["histogram"] and len(fig.data[3].x) > 0
         where = f"{algo} / {schedule} / {plane}"
         m = [r.metrics for r in reports]
         assert all("actor/loss" in x and "reward/mean" in x for x in m), where

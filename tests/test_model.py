@@ -125,8 +125,10 @@ def test_ensure_tiny_model_idempotent(tmp_path):
     d = ensure_tiny_model(tmp_path / "m", seed=0)
     weights = d / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
-    assert ensure_tiny_model(d, spec=TinyModelSpec(hidden_size=32)) == d
+    assert ensure_tiny_model(d, seed=1) == d  # another seed: the same model folder, reused
     assert weights.stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="holds a tiny model built with .*'hidden_size': 64.* asks for .*32"):
+        ensure_tiny_model(d, spec=TinyModelSpec(hidden_size=32))  # never silently the other spec's model
     model, _ = load_model_dir(d)
     assert model.config.hidden_size == TinyModelSpec().hidden_size
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # temp dir cleaned up

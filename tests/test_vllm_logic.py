@@ -148,9 +148,11 @@ def test_engine_kwargs_carry_tp_dtype_lengths_memory_and_logprobs_mode():
         tensor_parallel_size=2, distributed_executor_backend="external_launcher", dtype="bfloat16", seed=7,
         max_model_len=P + R, max_num_seqs=64, gpu_memory_utilization=0.3, enable_sleep_mode=True,
         enable_prefix_caching=True, enforce_eager=True, skip_tokenizer_init=True,
-        kv_cache_memory_bytes=6 * 2**30, logprobs_mode="processed_logprobs")
+        kv_cache_memory_bytes=6 * 2**30, logprobs_mode="processed_logprobs",
+        disable_custom_all_reduce=True)  # tp >= 2 with one visible GPU per worker: no peer access
     plain = engine_kwargs(vllm_opts(), P, "float32", 0)
     assert "kv_cache_memory_bytes" not in plain and "logprobs_mode" not in plain
+    assert "disable_custom_all_reduce" not in plain
     assert plain["enable_prefix_caching"] and plain["tensor_parallel_size"] == 1
 
 
@@ -340,7 +342,8 @@ def test_setup_engines_passes_run_settings_and_hangs_sleep_on_the_trainers(tok, 
     monkeypatch.setattr(engine_setup, "make_rollout", fake_make_rollout)
     ctx = SimpleNamespace(groups={}, roles=frozenset({"rollout", "actor", "reference"}))  # colocated: every role
     engines = engine_setup.setup_engines(ctx, cfg)
-    assert got == {"dtype": "float32", "seed": 3, "gen_model": None, "model_path": str(tmp_path / "m")}
+    assert got == {"dtype": "float32", "seed": 3, "gen_model": None, "model_path": str(tmp_path / "m"),
+                   "sleep_at_start": True}  # colocated: the trainer gets the memory until the first rollout
     sleep = engines.rollout.sleep
     assert engines.actor.before_compute == [sleep] and engines.ref.before_compute == [sleep]
     assert not engines.policy.shared

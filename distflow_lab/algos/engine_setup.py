@@ -105,20 +105,29 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
     fresh = lambda: load_model_dir(cfg.model.path, dtype=dtype)[0]  # noqa: E731  another copy of the policy
     e = RLEngines(tokenizer, make_reward_fn(cfg.reward))
     budget, temp = cfg.actor.micro_token_budget, cfg.rollout.temperature
+    compute = getattr(torch, cfg.model.compute_dtype) if cfg.model.compute_dtype else None  # FSDP2 mixed precision
     if trains:
         pg = ctx.groups.get("actor_update")  # the training layout's data-parallel group (FSDP2 shards over it)
-        e.actor = TrainEngine(model, cfg.actor, process_group=pg, temperature=temp, micro_token_budget=budget)
-        e.ref = TrainEngine(fresh(), None, process_group=pg, micro_token_budget=budget, temperature=temp)
+        e.actor = TrainEngine(model, cfg.actor, process_group=pg, temperature=temp, micro_token_budget=budget,
+                              mixed_precision=compute, gradient_checkpointing=cfg.actor.gradient_checkpointing)
+        e.ref = TrainEngine(fresh(), None, process_group=pg, micro_token_budget=budget, temperature=temp,
+                            mixed_precision=compute)
         e.policy.writer = e.actor.rank == 0
         if cfg.algorithm.name == "ppo":
             e.critic = TrainEngine(build_critic_from(cfg.model.path, dtype=dtype), cfg.critic,
-                                   process_group=ctx.groups.get("critic_update"),
-                                   micro_token_budget=cfg.critic.micro_token_budget, critic=True)
+                                   process_group=ctx.groups.get("critic_update"), mixed_precision=compute,
+                                   micro_token_budget=cfg.critic.micro_token_budget, critic=True,
+                                   gradient_checkpointing=cfg.actor.gradient_checkpointing)
     hf = cfg.rollout.engine == "hf"
-    e.policy.shared = generates and trains and hf and not e.actor.distributed  # generate with the actor's module
+    gen_dtype = cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    same = gen_dtype == cfg.model.dtype  # a rollout in another dtype needs its own copy of the weights
+    e.policy.shared = generates and trains and hf and same and not e.actor.distributed  # the actor's own module
     if generates:
         gen_model = (e.actor.model if e.policy.shared else model if not trains else fresh()) if hf else None
-        vllm_args = {} if hf else {"dtype": cfg.model.dtype, "seed": cfg.seed}  # the rest comes from cfg.rollout
+        if gen_model is not None and not same:
+            gen_model = gen_model.to(getattr(torch, gen_dtype))
+        # vLLM: the rest comes from cfg.rollout; it sleeps at start only beside a trainer that needs the memory
+        vllm_args = {} if hf else {"dtype": gen_dtype, "seed": cfg.seed, "sleep_at_start": trains}
         e.rollout = make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
                                  cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args)
         if e.rollout.sleeps:  # vLLM beside FSDP2: it sleeps whenever a trainer computes

@@ -71,10 +71,13 @@ def prepare_model(cfg: RunConfig, data_path: str, progress: bool = True) -> RunC
     check that prompt + response fit the model's context. Returns the config the
     workers get (model.path pointing at the warm-started model)."""
     path = Path(cfg.model.path)
-    if not has_model(path):
-        if cfg.model.tiny is None:
-            raise ConfigError(f"model.path {path} holds no model (config.json + weights) and model.tiny is null")
-        ensure_tiny_model(path, cfg.model.tiny, seed=cfg.session.seed)
+    if cfg.model.tiny is not None:  # built here if absent; one built with another spec is an error
+        try:
+            ensure_tiny_model(path, cfg.model.tiny, seed=cfg.session.seed)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif not has_model(path):
+        raise ConfigError(f"model.path {path} holds no model (config.json + weights) and model.tiny is null")
     context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
     need = cfg.data.max_prompt_len + cfg.rollout.max_response_len
     if context and need > context:

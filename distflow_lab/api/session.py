@@ -319,6 +319,23 @@ class Session:
         first = self.plan.stages[lanes.train_stages[0]].id if lanes else self.plan.stages[-1].id
         return staleness_figure(self.items(), first, self.config.schedule.staleness)
 
+    def mismatch(self):
+        """How far the rollout engine's log-probs are from the trainer's on the same tokens: per step
+        (rollout/logprob_diff_mean, _max, rollout/logprob_kl) and over the latest step's tokens on
+        the first worker that computed them (needs rollout.log_probs=true)."""
+        from distflow_lab.observe.mismatch import mismatch_figure, token_diffs
+
+        diffs = None
+        if "old_log_prob" in self.dag.ids and self.config.keep_outputs:
+            worker = self.plan.stage("old_log_prob").ranks[0]
+            cols = ["rollout_log_probs", "old_log_probs", "response_mask"]
+            try:
+                rows = self.controller.peek("old_log_prob", worker, n=1 << 30, columns=cols)
+                diffs = token_diffs(rows["rollout_log_probs"], rows["old_log_probs"], rows["response_mask"])
+            except (KeyError, ValueError):  # nothing run yet, or no rollout log-probs in the rows
+                diffs = None
+        return mismatch_figure(self.metrics, diffs)
+
     def idle(self):
         """Per training update: the trainer's and the rollout group's idle share, and the wall time."""
         from distflow_lab.observe.schedule_figures import idle_figure

@@ -108,16 +108,22 @@ def load_model_dir(
 def ensure_tiny_model(directory: str | os.PathLike, spec: TinySpec | None = None, seed: int = 0) -> Path:
     """Build and save a tiny char-level Qwen2 at `directory` unless one is already there.
 
-    Idempotent: an existing model is left as is, even if `spec` differs. The
-    model is written to a sibling temp dir and renamed into place, so a
-    concurrent caller never loads a half-written directory.
+    Idempotent: an existing model built here with the same spec is reused (whatever its seed); one
+    built with another spec is an error naming both (never silently the wrong model). The model is written
+    to a sibling temp dir and renamed into place, so a concurrent caller never loads a
+    half-written directory.
     """
     directory = Path(directory)
+    note = f"{(spec or TinySpec()).model_dump()} seed={seed}\n"
     if has_model(directory):
+        built = directory / "tiny_model_spec.txt"
+        have, want = built.read_text().split(" seed=")[0] if built.exists() else None, note.split(" seed=")[0]
+        if have is not None and have != want:
+            raise ValueError(f"model.path {directory} holds a tiny model built with {have}; this config asks for "
+                             f"{want} (model.tiny): give model.path a new folder (or delete it)")
         return directory
     tokenizer = build_char_tokenizer()
     model = build_tiny_qwen2(tokenizer, spec, seed)
-    note = f"{(spec or TinySpec()).model_dump()} seed={seed}\n"
     if directory.is_dir() and any(directory.iterdir()):
         # A non-empty dir without a model (e.g. holding a notebook's notes): write in place.
         save_model_dir(model, tokenizer, directory)

@@ -49,15 +49,18 @@ vLLM sources this is written against (checked in the sdists of 0.10.2 and 0.33.0
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
+import random
 import re
 import socket
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
@@ -87,6 +90,8 @@ def engine_kwargs(opts: RolloutOptions, max_prompt_len: int, dtype: str, seed: i
         enable_prefix_caching=True, enforce_eager=v.enforce_eager,
         skip_tokenizer_init=True,  # token ids in, token ids out: vLLM never needs the tokenizer
     )
+    if opts.tp > 1:  # one visible GPU per worker: the custom all-reduce asserts on peer access it cannot have
+        kw["disable_custom_all_reduce"] = True
     if v.kv_cache_gib is not None:
         kw["kv_cache_memory_bytes"] = int(v.kv_cache_gib * (1 << 30))
     if opts.log_probs:  # after temperature (and top-k/top-p), like the trainer's logits / T
@@ -198,6 +203,16 @@ def _external_launcher_env(tp: int) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+@contextlib.contextmanager
+def kept_rng_state():
+    """Restore torch's (CPU and CUDA), numpy's and Python's global RNG states on exit."""
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
 class VLLMRollout:
     """vLLM producing `HFRollout.generate`'s columns; sleeps while the trainers compute.
 
@@ -208,12 +223,15 @@ class VLLMRollout:
     streams_weights = True  # sync_weights streams buckets here instead of building a full state dict
 
     def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions, max_prompt_len: int,
-                 dtype: str = "bfloat16", seed: int = 0, **llm_kwargs: Any):
+                 dtype: str = "bfloat16", seed: int = 0, sleep_at_start: bool = True, **llm_kwargs: Any):
         vllm = _import_vllm()
         _external_launcher_env(opts.tp)
         kwargs = {**engine_kwargs(opts, max_prompt_len, dtype, seed), **llm_kwargs}
-        self._bind(vllm, vllm.LLM(model=str(model_path), **kwargs), tokenizer, opts, max_prompt_len, dtype)
-        self.sleep()  # the trainer gets the memory until the first rollout; the first sync refills it
+        with kept_rng_state():  # vLLM seeds the process's global RNGs: the trainer's stream must not move
+            llm = vllm.LLM(model=str(model_path), **kwargs)
+        self._bind(vllm, llm, tokenizer, opts, max_prompt_len, dtype)
+        if sleep_at_start:  # a colocated trainer gets the memory until the first rollout; the first sync refills it
+            self.sleep()  # (a rollout-only worker keeps the checkpoint's weights: nothing is posted before update 1)
 
     @classmethod
     def attach(cls, vllm: Any, llm: Any, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,

@@ -24,6 +24,7 @@ from distflow_lab.observe.load_balance import load_balance, load_balance_table, 
 from distflow_lab.observe.breakdown import breakdown, cache_hits
 from distflow_lab.observe.curves import metric_curves
 from distflow_lab.observe.dag_figure import dag_figure
+from distflow_lab.observe.mismatch import METRICS as MISMATCH, mismatch_figure
 from distflow_lab.observe.timeline import last_steps, timeline
 
 _CSS = """
@@ -150,6 +151,8 @@ def write_report(session: Any, path: str | Path, extra_spans: dict[str, pd.DataF
         _section("fig-cache", "local cache hits and bytes moved", lambda: _fig_html(cache_hits(spans))),
         balance,
         _section("fig-metrics", "training metrics", lambda: _metrics_html(spans, metrics)),
+        (_section("fig-mismatch", "train-inference mismatch", lambda: _fig_html(mismatch_figure(metrics)))
+         if set(MISMATCH) <= set(metrics.columns) else ""),
     ]
     world = getattr(plan, "world_size", "?")
     header = (f"<h1>{html.escape(title)}</h1><p class='meta'>mode <b>{html.escape(mode)}</b> · DAG "

@@ -57,7 +57,9 @@ class ModelOptions(Strict):
     warm_start: WarmStart = Field(default_factory=WarmStart)
     """SFT warm-up before RL."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype (bfloat16 on GPU)."""
+    """Parameter dtype: the trainer's master weights (keep float32 to train: AdamW at lr 1e-6 loses most updates in bfloat16)."""
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
+    """The trainer's compute dtype under FSDP2 (its MixedPrecisionPolicy: parameters gathered in this dtype, gradients reduced in float32); None: dtype. bfloat16 with dtype float32 is the usual GPU setting."""
 
 
 class DataOptions(Strict):
@@ -110,6 +112,8 @@ class RolloutOptions(Strict):
     """False: greedy decoding (validation); then n must be 1."""
     log_probs: bool = False
     """Also return `rollout_log_probs` (log p of each sampled token under logits / temperature)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The rollout engine's dtype; auto: model.dtype. bfloat16 against a float32 trainer gives a real train-inference mismatch (rollout/logprob_diff_*), what off-policy corrections exist for."""
     max_response_len: int = Field(default=8, ge=1)
     """R: new tokens at most; responses are right-padded to R."""
     micro_batch: int = Field(default=256, ge=1)
@@ -149,6 +153,8 @@ KLKind = Literal["k1", "k3", "low_var_kl", "abs", "mse"]
 class ActorOptions(Optim):
     micro_token_budget: int = Field(default=4096, ge=1)
     """Real tokens per micro-batch (gradient accumulation is normalized: grouping does not change the update)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory for long padded micro-batches, ~1/3 more compute)."""
     mini_batches: int = Field(default=1, ge=1)
     """Optimizer steps per RL step (the batch is split into this many mini-batches)."""
     clip_ratio_low: float = Field(default=0.2, ge=0)
