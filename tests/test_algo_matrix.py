@@ -48,12 +48,14 @@ def small(tmp_path_factory):
     d = tmp_path_factory.mktemp("matrix")
     return [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data", f"trainer.out_dir={d}/out",
             "model.warm_start.steps=0", "cluster.world_size=2", "data.prompts_per_step=2", "rollout.n=4",
-            "rollout.log_probs=true", "cluster.stage_timeout_s=60"]
+            "rollout.log_probs=true", "cluster.stage_timeout_s=60",
+            "actor.entropy_coeff=0.01"]  # no warm start: reward 0, so the entropy term is what moves the weights
 
 
 # The estimator variants differ from grpo only in the advantage function (tests/test_verl_parity.py,
-# test_actor_update.py): two cells each, dp = 2 colocated (batch-wide whitening over gloo) and async.
-ESTIMATOR_CELLS = [SCHEDULES[2], SCHEDULES[8]]
+# test_actor_update.py): one cell each, async on the distributed plane; REINFORCE++ also dp = 2 colocated
+# (batch-wide whitening over gloo).
+CELLS = {"dr_grpo": [SCHEDULES[8]], "rloo": [SCHEDULES[8]], "reinforce_plus_plus": [SCHEDULES[2], SCHEDULES[8]]}
 
 
 @pytest.mark.parametrize("algo", list(ALGORITHMS))
@@ -62,7 +64,7 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
     for overrides, error in REFUSED:
         with pytest.raises(ConfigError, match=error):
             load_run_config(preset, small + extra + overrides + ["mode=centralized"])
-    cells = ESTIMATOR_CELLS if algo in ("dr_grpo", "rloo", "reinforce_plus_plus") else SCHEDULES
+    cells = CELLS.get(algo, SCHEDULES)
     for schedule, plane, overrides in cells:
         cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}"])
         with open_session(cfg, progress=False) as s:
@@ -76,6 +78,8 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
         diff = [x["rollout/logprob_diff_max"] for x in m]
         if schedule in ("colocated", "groups-sync"):  # the rollout held the trainer's current weights
             assert max(diff) < 1e-4, (where, diff)
+        elif schedule == "one_step_off" and algo in ("grpo", "gspo"):  # it lags one update: the weights moved
+            assert diff[-1] > 1e-6, (where, diff)
         if schedule == "colocated":
             continue
         versions = [x["schedule/policy_version"] for x in m]
@@ -106,3 +110,25 @@ def test_a_checkpoint_on_worker_groups_resumes_at_its_policy_version(ray_cluster
     assert [x["schedule/policy_version"] for x in m] == [3.0, 4.0]
     assert all(x["schedule/rollout_version"] >= 2 for x in m), m  # generated from the loaded policy or newer
     assert max(x["schedule/staleness"] for x in m) <= 1
+
+
+VLLM_CELLS = [SCHEDULES[2], SCHEDULES[5], SCHEDULES[8]]  # colocated, one step off, async with partial rollouts
+
+
+def test_grpo_on_vllm_in_every_kind_of_schedule(ray_cluster, small):
+    """The same walk on the real vLLM engine (its CPU build): colocated beside FSDP2 (a sync each update),
+    and on a generation group of its own (a torch.distributed world per group: vLLM builds its groups
+    over the world, which a training group that never builds an engine would never join)."""
+    for schedule, plane, overrides in VLLM_CELLS:
+        cfg = load_run_config("tiny-cpu-grpo", small + overrides + [f"mode={plane}", "rollout.engine=vllm"])
+        with open_session(cfg, progress=False) as s:
+            m = [s.step().metrics for _ in range(UPDATES)]
+        where = f"vllm / {schedule} / {plane}"
+        diff = [x["rollout/logprob_diff_max"] for x in m]
+        if schedule == "colocated":
+            assert max(diff) < 1e-4, (where, diff)  # synced after every update: vLLM holds the trainer's weights
+            continue
+        assert [x["schedule/policy_version"] for x in m] == [1.0, 2.0, 3.0], where
+        assert max(x["schedule/staleness"] for x in m) <= (1 if schedule == "one_step_off" else 2), where
+        if schedule == "one_step_off":
+            assert m[-1]["schedule/rollout_version"] >= 1 and diff[-1] > 1e-6, (where, m[-1])  # it pulled, and lags

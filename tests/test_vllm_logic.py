@@ -82,7 +82,8 @@ class FakeSamplingParams:
 
 
 class FakeLLM:
-    """In-process `vllm.LLM`: records calls, holds a model for `apply_model`, answers `generate`
+    """In-process `vllm.LLM` as on a GPU (sleep mode): records calls, holds a model for the in-place
+    reload (`collective_rpc("reload_weights")`), answers `generate`
     with scripted token ids. Calling a discarded (slept) part raises, as real sleep would corrupt."""
 
     def __init__(self, model=None, script=None):
@@ -98,10 +99,10 @@ class FakeLLM:
         self.calls.append(f"wake{sorted(tags)}")
         self.asleep -= set(tags)
 
-    def apply_model(self, fn):
-        assert "weights" not in self.asleep, "load into discarded weights"
-        self.calls.append("apply_model")
-        return [fn(self.model)]
+    def collective_rpc(self, method, kwargs):
+        assert method == "reload_weights" and "weights" not in self.asleep, "load into discarded weights"
+        self.calls.append("reload_weights")
+        return [self.model.load_weights(kwargs["weights_iterator"])]
 
     def reset_prefix_cache(self):
         self.calls.append("reset_prefix_cache")
@@ -144,13 +145,13 @@ def vllm_opts(**kw) -> RolloutOptions:
 def test_engine_kwargs_carry_tp_dtype_lengths_memory_and_logprobs_mode():
     opts = vllm_opts(tp=2, micro_batch=64, log_probs=True,
                      vllm={"gpu_memory_utilization": 0.3, "kv_cache_gib": 6, "enforce_eager": True})
-    assert engine_kwargs(opts, P, "bfloat16", 7) == dict(
+    assert engine_kwargs(opts, P, "bfloat16", 7, cpu=False) == dict(
         tensor_parallel_size=2, distributed_executor_backend="external_launcher", dtype="bfloat16", seed=7,
         max_model_len=P + R, max_num_seqs=64, gpu_memory_utilization=0.3, enable_sleep_mode=True,
         enable_prefix_caching=True, enforce_eager=True, skip_tokenizer_init=True,
         kv_cache_memory_bytes=6 * 2**30, logprobs_mode="processed_logprobs",
         disable_custom_all_reduce=True)  # tp >= 2 with one visible GPU per worker: no peer access
-    plain = engine_kwargs(vllm_opts(), P, "float32", 0)
+    plain = engine_kwargs(vllm_opts(), P, "float32", 0, cpu=False)
     assert "kv_cache_memory_bytes" not in plain and "logprobs_mode" not in plain
     assert "disable_custom_all_reduce" not in plain
     assert plain["enable_prefix_caching"] and plain["tensor_parallel_size"] == 1
@@ -236,7 +237,7 @@ def script(prompt, kw, k):
 
 def test_sleep_wake_sync_generate_order(tok, model):
     llm = FakeLLM(LoaderModel(copy.deepcopy(model)), script)
-    ro = VLLMRollout.attach(FAKE_VLLM, llm, tok, vllm_opts(n=2), P, dtype="float32")
+    ro = VLLMRollout.attach(FAKE_VLLM, llm, tok, vllm_opts(n=2), P, dtype="float32", cpu=False)
     ro.sleep()  # what __init__ does after building the engine
     assert ro.needs_weights and llm.calls == ["sleep2"]
     ids, mask, _ = tokenize_prompts(tok, ["1+1=", "22", "abc"], P)
@@ -246,7 +247,7 @@ def test_sleep_wake_sync_generate_order(tok, model):
     assert ro.load_weights([state[:3], state[3:]]) == len(state)
     out = ro.generate(ids, mask, seed=5)
     ro.generate(ids[:1], mask[:1], seed=6)  # a second round in the same step (DAPO): no sync needed
-    assert llm.calls == ["sleep2", "wake['weights']", "apply_model", "apply_model", "reset_prefix_cache",
+    assert llm.calls == ["sleep2", "wake['weights']", "reload_weights", "reset_prefix_cache",
                          "wake['kv_cache']", "generate", "generate"]
     seeds = [sp.kw["seed"] for sp in llm.params]
     assert seeds == request_seeds(6, 1, 2)
@@ -300,7 +301,7 @@ def test_weight_buckets_round_trip_bounded_and_without_copies(tok, model):
     loader = LoaderModel(copy.deepcopy(model))
     ro = VLLMRollout.attach(FAKE_VLLM, FakeLLM(loader), tok, vllm_opts(), P, dtype="float32")
     assert ro.load_weights(src.weight_buckets(bucket_bytes=bound)) == len(state)
-    assert len(loader.buckets) == len(buckets)
+    assert len(loader.buckets) == 1  # one streamed reload, the buckets consumed one at a time
     assert all(torch.equal(loader.target.state_dict()[n], t) for n, t in state.items())
 
 
@@ -308,7 +309,8 @@ def test_sync_weights_streams_and_records_a_span(tok, model):
     actor = TrainEngine(build_tiny_qwen2(tok, seed=4), Optim(), device="cpu")
     loader = LoaderModel(copy.deepcopy(model))
     llm = FakeLLM(loader, script)
-    ro = VLLMRollout.attach(FAKE_VLLM, llm, tok, vllm_opts(n=1, vllm={"weight_sync_bucket_mib": 1}), P, dtype="float32")
+    ro = VLLMRollout.attach(FAKE_VLLM, llm, tok, vllm_opts(n=1, vllm={"weight_sync_bucket_mib": 1}), P, dtype="float32",
+                            cpu=False)
     rec = SpanRecorder(0, "local")
     ctx = SimpleNamespace(engines=RLEngines(tok, None, Policy(shared=False), actor=actor, rollout=ro),
                           span=lambda phase, **c: rec.span(0, "rollout", phase, **c))
@@ -332,12 +334,12 @@ def test_setup_engines_passes_run_settings_and_hangs_sleep_on_the_trainers(tok, 
 
     save_model_dir(model, tok, tmp_path / "m")
     cfg = parse_run_config("tiny-cpu-grpo", [f"model.path={tmp_path / 'm'}", "cluster.world_size=1", "seed=3"])
-    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": "vllm"})})  # vLLM absent here
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": "vllm"})})  # as on a GPU
     got = {}
 
     def fake_make_rollout(gen_model, tokenizer, opts, max_prompt_len, model_path=None, **kw):
         got.update(kw, gen_model=gen_model, model_path=model_path)
-        return VLLMRollout.attach(FAKE_VLLM, FakeLLM(), tokenizer, opts, max_prompt_len, kw["dtype"])
+        return VLLMRollout.attach(FAKE_VLLM, FakeLLM(), tokenizer, opts, max_prompt_len, kw["dtype"], cpu=False)
 
     monkeypatch.setattr(engine_setup, "make_rollout", fake_make_rollout)
     ctx = SimpleNamespace(groups={}, roles=frozenset({"rollout", "actor", "reference"}))  # colocated: every role

@@ -192,7 +192,7 @@ class Session:
         config = _configure(carried, {**options, "mode": new_mode})
         self.dag = dag or self.dag
         old = self.controller
-        if not old.can_hand_over(config):
+        if not old.can_hand_over(config, self.dag):
             old.close()  # nothing to take over: free its slots first, or a full cluster cannot place the new workers
         self.controller = Controller(self.dag, config, PLANES[config.mode](), self._engines, reuse=old,
                                      routing=routing_for(config))

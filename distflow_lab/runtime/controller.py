@@ -58,6 +58,11 @@ from distflow_lab.runtime.worker import WorkerSetup
 SETUP_STAGES = 4  # engine set-up (model loading) may take this many stage timeouts
 
 
+def torch_worlds(plan: Plan) -> list[tuple[int, int]]:
+    """(first worker, workers) of each torch.distributed world: one per worker group, else one."""
+    return [(first, n) for _, first, n in plan.groups] or [(0, plan.world_size)]
+
+
 class Controller:
     def __init__(self, dag: DAG, config: SessionConfig, plane: DataPlane, engines: str | Callable | None = None,
                  reuse: "Controller | None" = None, routing: Routing | None = None) -> None:
@@ -96,7 +101,7 @@ class Controller:
     # ---- start and stop ------------------------------------------------------------
     def _start(self, reuse: "Controller | None" = None) -> None:
         c = self.config.cluster
-        if reuse is not None and reuse.can_hand_over(self.config):
+        if reuse is not None and reuse.can_hand_over(self.config, self.dag):
             self.placement, reuse.placement = reuse.placement, None  # the running processes: no start-up
         else:
             workers, nodes, pg = place_workers(c.world_size, c.cpus_per_worker, c.gpus_per_worker, c.placement)
@@ -121,24 +126,37 @@ class Controller:
             self.close()
             raise
 
-    def can_hand_over(self, config: SessionConfig) -> bool:
-        """Same placement request and healthy workers: a new session can take them over."""
+    def can_hand_over(self, config: SessionConfig, dag: DAG | None = None) -> bool:
+        """Same placement request, the same torch.distributed worlds and healthy workers: a new
+        session (of `dag`, default this one's) can take them over."""
         a, b = config.cluster, self.config.cluster
         same = (a.world_size, a.cpus_per_worker, a.gpus_per_worker, a.placement, a.torch_distributed) == \
                (b.world_size, b.cpus_per_worker, b.gpus_per_worker, b.placement, b.torch_distributed)
-        return same and self.placement is not None and not self.broken
+        worlds = torch_worlds((dag or self.dag).plan(a.world_size)) if same else None
+        return same and worlds == torch_worlds(self.plan) and self.placement is not None and not self.broken
 
     def _init_torch_distributed(self) -> None:
+        """One torch.distributed world per worker group (no collective crosses groups: weights
+        travel through the object store; and vLLM on a generation group builds its groups over
+        the world, which a training group that never builds an engine would never join), or one
+        over every worker."""
         c = self.config.cluster
         if not c.torch_distributed:
             return
         backend = "nccl" if c.gpus_per_worker > 0 else "gloo"
         nodes = self.placement.worker_nodes
-        addr = "127.0.0.1" if len(set(nodes)) == 1 else node_ip(nodes[0])
         # collectives may wait for a peer that is one stage behind: allow more than a stage
-        timeout, port = 2 * c.stage_timeout_s + 60, free_port()
-        self._gather([w.init_process_group.remote(addr, port, backend, timeout) for w in self.workers], -1,
-                     "init_process_group", SETUP_STAGES * c.stage_timeout_s)
+        timeout, calls, ranks, ports = 2 * c.stage_timeout_s + 60, [], [], set()
+        for first, n in torch_worlds(self.plan):
+            port = free_port()
+            while port in ports:
+                port = free_port()
+            ports.add(port)
+            addr = "127.0.0.1" if len(set(nodes[first:first + n])) == 1 else node_ip(nodes[first])
+            for r in range(n):
+                calls.append(self.workers[first + r].init_process_group.remote(addr, port, backend, timeout, r, n))
+                ranks.append(first + r)
+        self._gather(calls, -1, "init_process_group", SETUP_STAGES * c.stage_timeout_s, workers=ranks)
 
     @property
     def workers(self) -> list:

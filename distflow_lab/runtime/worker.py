@@ -88,6 +88,7 @@ class DAGWorker:
         self._loader_at_step_start: dict | None = None
         self._version_min: int | None = None
         self._trains_by: int | None = None  # set during a generation segment (async schedules)
+        self.dist_base = 0  # the DAG rank of this worker's torch.distributed rank 0 (worker groups: per group)
 
     # ---- lifecycle ---------------------------------------------------------------
     def setup(self, s: WorkerSetup) -> dict:
@@ -121,17 +122,19 @@ class DAGWorker:
 
         if not dist.is_initialized():
             return {}
+        base, size = self.dist_base, dist.get_world_size()
         made: dict[tuple[int, int, int, int], Any] = {}
         for st in self.plan.stages:
             key = (st.first, st.workers, st.dp, st.group_size)
-            if key not in made:
-                made[key] = None
-                for g in range(st.group_size):
-                    group = dist.new_group([st.worker_of(d, g) for d in range(st.dp)])
-                    if st.runs_on(self.rank) and st.group_rank(self.rank) == g:
-                        made[key] = group
-        return {st.id: made[(st.first, st.workers, st.dp, st.group_size)] for st in self.plan.stages
-                if made[(st.first, st.workers, st.dp, st.group_size)] is not None}
+            if key in made or not (base <= st.first and st.first + st.workers <= base + size):
+                continue  # a stage of another worker group: not in this world
+            made[key] = None
+            for g in range(st.group_size):
+                group = dist.new_group([st.worker_of(d, g) - base for d in range(st.dp)])
+                if st.runs_on(self.rank) and st.group_rank(self.rank) == g:
+                    made[key] = group
+        return {st.id: made[k] for st in self.plan.stages
+                if (k := (st.first, st.workers, st.dp, st.group_size)) in made and made[k] is not None}
 
     def _reset(self) -> None:
         self._clear_step()
@@ -143,16 +146,21 @@ class DAGWorker:
         self._loader_at_step_start = None  # a reused worker must not restore the last plan's loader
         self.rec.take()
 
-    def init_process_group(self, master_addr: str, port: int, backend: str = "gloo",
-                           timeout_s: float = 300.0) -> bool:
+    def init_process_group(self, master_addr: str, port: int, backend: str = "gloo", timeout_s: float = 300.0,
+                           rank: int | None = None, world_size: int | None = None) -> bool:
+        """Join a torch.distributed world as `rank` of `world_size` (default: every worker, by DAG
+        rank); a worker group's world numbers its workers from 0 (`self.dist_base` maps back)."""
         import datetime
 
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port),
-                          RANK=str(self.rank), WORLD_SIZE=str(self.world_size))
+        self._reset()  # the last plan's engines go first: closing a vLLM engine destroys the default group
+        rank = self.rank if rank is None else rank
+        world_size = self.world_size if world_size is None else world_size
+        self.dist_base = self.rank - rank  # the DAG rank of this world's rank 0
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
         if not dist.is_initialized():  # a bounded timeout: a dead peer must not hang collectives forever
-            dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+            dist.init_process_group(backend, rank=rank, world_size=world_size,
                                     timeout=datetime.timedelta(seconds=timeout_s))
         return True
 

@@ -26,9 +26,9 @@ class TinySpec(Strict):
     """Residual width (and of the tied embedding)."""
     num_layers: int = 2
     """Decoder blocks."""
-    num_heads: int = 4
+    num_heads: int = 2
     """Query heads per attention layer; must divide hidden_size."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = 1
     """Key/value heads (grouped-query attention); must divide num_heads."""
     intermediate_size: int = 256
     """Hidden width of the SwiGLU MLP."""
@@ -50,7 +50,7 @@ class WarmStart(Strict):
 
 
 class ModelOptions(Strict):
-    path: str = "models/tiny-qwen2"
+    path: str = "models/tiny-qwen2-hd32"
     """Local model directory (a Hugging Face checkpoint, e.g. Qwen2.5; never downloaded). Relative: under the cache dir."""
     tiny: TinySpec | None = Field(default_factory=TinySpec)
     """Build this tiny model at `path` if it holds none (None: `path` must hold a checkpoint)."""
@@ -99,7 +99,7 @@ class RolloutOptions(Strict):
     """Sampling settings, shared by the HF and vLLM rollout engines."""
 
     engine: Literal["hf", "vllm"] = "hf"
-    """transformers generate (CPU/GPU) or vLLM (GPU only, the [gpu] extra; untested here)."""
+    """transformers generate, or vLLM (its CPU build, installed by scripts/setup.sh, runs here; GPU: the [gpu] extra, untested)."""
     n: int = Field(default=8, ge=1)
     """Responses per prompt (the GRPO group size)."""
     temperature: float = Field(default=1.0, gt=0, le=2)
@@ -376,8 +376,8 @@ class RunConfig(Strict):
             raise ConfigError(f"actor.mini_batches={self.actor.mini_batches} does not divide the "
                               f"{responses // train} responses per worker")
         if self.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout.engine=vllm but vLLM is not installed: it needs the [gpu] extra "
-                              "(pip install -e '.[gpu]') and a CUDA GPU; use rollout.engine=hf on CPU")
+            raise ConfigError("rollout.engine=vllm but vLLM is not installed: `bash scripts/setup.sh` installs its CPU "
+                              "build on a CPU machine, pip install -e '.[gpu]' on a CUDA one; or use rollout.engine=hf")
         if s.cluster.world_size > 1 and not s.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
         check_switches(s.mode, s.switches)

@@ -35,7 +35,7 @@ def overrides_for(context: int, workers: int, prompts: int, n: int) -> list[str]
     data = ["data.train=arithmetic"] if context <= 64 else ["data.train=gsm8k", "model.warm_start.steps=0"]
     return [*data, f"data.max_prompt_len={half}", f"rollout.max_response_len={half}",
             f"model.tiny.max_position_embeddings={max(64, context)}",
-            f"model.path=models/tiny-qwen2-ctx{max(64, context)}",
+            f"model.path=models/tiny-qwen2-hd32-ctx{max(64, context)}",
             f"data.prompts_per_step={prompts}", f"rollout.n={n}", f"cluster.world_size={workers}",
             f"actor.micro_token_budget={max(4096, context * 4)}", f"critic.micro_token_budget={max(4096, context * 4)}"]
 

@@ -1,0 +1,103 @@
+"""The real vLLM engine (its CPU build, installed by scripts/setup.sh) behind `VLLMRollout`,
+against transformers on the same checkpoint: greedy tokens equal, log-probs agree in fp32,
+a weight sync makes vLLM generate with the new weights (and a partial one is an error), the
+trainer's random stream does not move when an engine is built, and an engine can be closed
+and another built in the same process (here in bfloat16, where a real mismatch shows)."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from distflow_lab.algos.grpo import mismatch
+from distflow_lab.core.config import Optim, RolloutOptions, TinySpec
+from distflow_lab.models.fsdp import TrainEngine
+from distflow_lab.models.model_dir import build_tiny_qwen2, save_model_dir
+from distflow_lab.models.rollout_hf import HFRollout
+from distflow_lab.models.sequences import tokenize_prompts
+from distflow_lab.models.tokenizer import build_char_tokenizer
+
+vllm = pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")  # CI must have it
+from distflow_lab.models.rollout_vllm import VLLMRollout  # noqa: E402
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
+PROMPTS = ["1+2=", "7+5=", "3+3=", "9+9="]
+P = 8
+
+
+def opts(**kw) -> RolloutOptions:
+    return RolloutOptions(**{"n": 1, "do_sample": False, "max_response_len": 6, "log_probs": True, **kw})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import torch.distributed as dist
+
+    had_world = dist.is_initialized()
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(tok, TinySpec(), seed=3)
+    path = tmp_path_factory.mktemp("vllm") / "m"
+    save_model_dir(model, tok, path)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    engine = VLLMRollout(str(path), tok, opts(), P, dtype="float32", seed=0, sleep_at_start=False)
+    rng_kept = torch.equal(before, torch.get_rng_state())
+    ids, mask, _ = tokenize_prompts(tok, PROMPTS, P)
+    yield dict(tok=tok, model=model, path=path, engine=engine, rng_kept=rng_kept, ids=ids, mask=mask)
+    engine.close()
+    if dist.is_initialized() and not had_world:  # vLLM made a world of one for this process: leave none behind
+        dist.destroy_process_group()
+
+
+def hf_greedy(setup, model):
+    return HFRollout(model.eval(), setup["tok"], opts(), P).generate(setup["ids"], setup["mask"], seed=0)
+
+
+def test_greedy_tokens_and_log_probs_equal_transformers(setup):
+    got = setup["engine"].generate(setup["ids"], setup["mask"], seed=0)
+    want = hf_greedy(setup, setup["model"])
+    assert torch.equal(got["responses"], want["responses"]) and torch.equal(got["response_mask"], want["response_mask"])
+    trainer = TrainEngine(copy.deepcopy(setup["model"]), Optim(), device="cpu", use_fsdp=False)
+    lp, _ = trainer.forward_log_probs(*(got[k] for k in MODEL_INPUTS))
+    m = mismatch(got["rollout_log_probs"], lp, got["response_mask"])
+    assert m["rollout/logprob_diff_max"] < 1e-4, m  # fp32 against fp32: ~1e-6 here
+    assert setup["rng_kept"]  # building the engine left the trainer's random stream where it was
+
+
+def test_a_sync_makes_vllm_generate_with_the_new_weights(setup):
+    e = setup["engine"]
+    perturbed = copy.deepcopy(setup["model"])
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in perturbed.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    state = perturbed.state_dict()
+    assert e.load_weights(state) == len(state)
+    after = e.generate(setup["ids"], setup["mask"], seed=0)
+    assert torch.equal(after["responses"], hf_greedy(setup, perturbed)["responses"])
+    assert not torch.equal(after["responses"], hf_greedy(setup, setup["model"])["responses"])  # they changed
+    e.load_weights(state)  # the same weights again: the same output, to the bit
+    again = e.generate(setup["ids"], setup["mask"], seed=0)
+    assert torch.equal(again["responses"], after["responses"])
+    assert torch.equal(again["rollout_log_probs"], after["rollout_log_probs"])
+    half = dict(list(setup["model"].state_dict().items())[:10])
+    with pytest.raises(RuntimeError, match="weight sync covered 10 of the checkpoint's"):
+        e.load_weights(half)  # vLLM itself takes a partial load silently
+    with pytest.raises(RuntimeError, match="partial sync"):
+        e.generate(setup["ids"], setup["mask"], seed=0)
+    e.load_weights(setup["model"].state_dict())  # a full sync repairs it
+    assert torch.equal(e.generate(setup["ids"], setup["mask"], seed=0)["responses"],
+                       hf_greedy(setup, setup["model"])["responses"])
+
+
+def test_close_then_a_bf16_engine_in_the_same_process_shows_a_real_mismatch(setup):
+    setup["engine"].close()
+    e = VLLMRollout(str(setup["path"]), setup["tok"], opts(), P, dtype="bfloat16", seed=0, sleep_at_start=False)
+    setup["engine"] = e  # the fixture closes this one
+    got = e.generate(setup["ids"], setup["mask"], seed=0)
+    trainer = TrainEngine(copy.deepcopy(setup["model"]), Optim(), device="cpu", use_fsdp=False)
+    lp, _ = trainer.forward_log_probs(*(got[k] for k in MODEL_INPUTS))
+    m = mismatch(got["rollout_log_probs"], lp, got["response_mask"])
+    assert 1e-4 < m["rollout/logprob_diff_mean"] < 0.5, m  # bf16 rollout against the fp32 trainer
