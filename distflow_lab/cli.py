@@ -46,12 +46,12 @@ def int_list(s: str) -> list[int]:
     return out
 
 
-def modes_list(allowed: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+def modes_list(allowed: tuple[str, ...], what: str = "mode") -> Callable[[str], tuple[str, ...]]:
     def parse(s: str) -> tuple[str, ...]:
         got = tuple(m.strip() for m in s.split(",") if m.strip())
         bad = [m for m in got if m not in allowed]
         if bad or not got:
-            raise argparse.ArgumentTypeError(f"unknown mode {bad[0] if bad else s!r}; choose from {list(allowed)}")
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else s!r}; choose from {list(allowed)}")
         return got
     return parse
 
@@ -145,7 +145,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "e2e":
         from distflow_lab.experiments.bench import e2e
 
-        e2e.run(a.context, a.workers, a.prompts, a.n, a.steps, a.json, modes=a.modes)
+        e2e.run(a.context, a.workers, a.prompts, a.n, a.steps, a.json, modes=a.modes, engines=a.engine)
     elif a.which == "cli-latency":
         from distflow_lab.experiments.bench import cli_latency
         cli_latency.run(a.repeats, a.json)
@@ -255,6 +255,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--n", type=positive, default=4, help="responses per prompt")
     e.add_argument("--steps", type=positive, default=4, help="measured steps per mode (after one warm-up step)")
     e.add_argument("--modes", type=modes_list(MODES), default=MODES)
+    e.add_argument("--engine", type=modes_list(("hf", "vllm"), "engine"), default=("hf",),
+                   help="rollout engines side by side, e.g. hf,vllm (vllm: the CPU build setup.sh installs)")
     asy = bsub.add_parser("async", help="sync vs one-step-off vs async on a long-tail workload, against the ideal")
     asy.add_argument("--steps", type=positive, default=12, help="measured training updates per schedule")
     asy.add_argument("--warmup", type=positive, default=3)

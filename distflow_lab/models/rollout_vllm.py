@@ -38,8 +38,8 @@ How it runs (the colocated layout of TRL's colocate mode and verl's FSDP workers
 * `close()` shuts the engine down, and vLLM's shutdown destroys torch.distributed's default group
   with it: the worker joins a new world at its next set-up.
 
-vLLM sources this is written against (checked in the sdists of 0.10.2 and 0.33.0, the bounds of the
-`gpu` extra):
+vLLM sources this is written against (0.32.0, the version pinned; the API parts also checked in the
+0.10.2 and 0.33.0 sdists):
 
 * vllm/entrypoints/llm.py: `LLM(model, **EngineArgs)`, `generate(prompts, sampling_params=[one per
   prompt], use_tqdm=False)` (outputs in request order), `apply_model(fn)` (in process: `fn(model)`
@@ -48,8 +48,9 @@ vLLM sources this is written against (checked in the sdists of 0.10.2 and 0.33.0
   gpu_memory_utilization, kv_cache_memory_bytes, enable_sleep_mode, enable_prefix_caching,
   enforce_eager, skip_tokenizer_init, logprobs_mode, distributed_executor_backend.
 * vllm/config/parallel.py, vllm/v1/executor/uniproc_executor.py (ExecutorWithExternalLauncher) and
-  vllm/distributed/parallel_state.py (init_distributed_environment reuses an initialised world;
-  `destroy_model_parallel` frees the TP groups and leaves the world group to its owner).
+  vllm/distributed/parallel_state.py (init_distributed_environment reuses an initialised world, and
+  builds its groups over all of it); in 0.32, `EngineCore.shutdown` destroys those groups and the
+  default group too.
 * vllm/sampling_params.py: n, temperature (0..2; 0 is greedy and needs n=1), top_p, top_k (0 = off),
   max_tokens, seed, stop_token_ids, ignore_eos, logprobs, detokenize.
 * vllm/v1/engine/parallel_sampling.py: sample k of a seeded request runs on `seed + k`.
@@ -362,14 +363,8 @@ class VLLMRollout:
             return
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+            core.shutdown()  # vLLM >= 0.32: also destroys its model-parallel groups (and the default group)
         del llm
-        try:
-            from vllm.distributed.parallel_state import destroy_model_parallel
-        except ImportError:  # a stand-in engine (tests): nothing of vLLM's to free
-            pass
-        else:
-            destroy_model_parallel()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -1,6 +1,7 @@
-"""End-to-end throughput: the real GRPO pipeline (tiny Qwen2, HF rollout, FSDP2
-training) in distributed and centralized mode on the same workers, at a short
-and a long context.
+"""End-to-end throughput: the real GRPO pipeline (tiny Qwen2, HF or vLLM rollout, FSDP2
+training) in every data plane, at a short and a long context, for each rollout engine.
+Per engine: tokens/s, the rollout's share of the step, and the weight-sync seconds
+per update (the colocated sync of the actor's weights into the rollout engine).
 
 Throughput = valid tokens (prompt + response, from the rollout's attention mask)
 per second of step wall time. Both modes run the same config and seed, so they
@@ -14,6 +15,7 @@ length limit: long sequences, as in reasoning RL. The short context is the
 arithmetic task of the tiny preset.
 
     distflow-lab bench e2e --context 32,1024 --steps 4 --json benchmarks/results/e2e.json
+    distflow-lab bench e2e --engine hf,vllm --context 32 --modes distributed --json benchmarks/results/e2e_engines.json
 """
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ def overrides_for(context: int, workers: int, prompts: int, n: int) -> list[str]
             f"actor.micro_token_budget={max(4096, context * 4)}", f"critic.micro_token_budget={max(4096, context * 4)}"]
 
 
-def measure(context: int, mode: str, workers: int, prompts: int, n: int, steps: int, warmup: int = 1) -> dict:
-    cfg = load_run_config("tiny-cpu-grpo", overrides_for(context, workers, prompts, n) + [f"mode={mode}"])
+def measure(context: int, mode: str, workers: int, prompts: int, n: int, steps: int, warmup: int = 1,
+            engine: str = "hf") -> dict:
+    cfg = load_run_config("tiny-cpu-grpo", overrides_for(context, workers, prompts, n)
+                          + [f"mode={mode}", f"rollout.engine={engine}"])
     rows = []
     with open_session(cfg, progress=False) as s:
         for _ in range(warmup + steps):
@@ -51,11 +55,17 @@ def measure(context: int, mode: str, workers: int, prompts: int, n: int, steps: 
             spans = rep.spans
             tokens = int(spans[(spans["stage"] == "rollout") & (spans["phase"] == "compute")]["tokens"].sum())
             row = step_row(rep, spans)
+            rollout = spans[(spans["stage"] == "rollout") & (spans["phase"] == "compute")]
+            sync = spans[spans["phase"] == "weight_sync"]
             rows.append({"wall_s": rep.wall_seconds, "tokens": tokens, "data_plane_s": float(row["data_plane_s"]),
-                         "bytes_moved": int(row["bytes_moved"]), "reward": rep.metrics.get("reward/mean", math.nan)})
+                         "bytes_moved": int(row["bytes_moved"]), "reward": rep.metrics.get("reward/mean", math.nan),
+                         "rollout_share": float(rollout["seconds"].max() / rep.wall_seconds) if len(rollout) else 0.0,
+                         "sync_s": float(sync.groupby("worker")["seconds"].sum().max()) if len(sync) else 0.0})
         peaks = ray.get([w.memory.remote() for w in s.workers])
     tps = summarize(r["tokens"] / r["wall_s"] for r in rows)
-    return {"mode": mode, "context": context, "workers": workers, "rows_per_step": prompts * n,
+    return {"engine": engine, "mode": mode, "context": context, "workers": workers, "rows_per_step": prompts * n,
+            "rollout_share_median": summarize(r["rollout_share"] for r in rows)["median"],
+            "weight_sync_s_median": summarize(r["sync_s"] for r in rows)["median"],
             "tokens_per_step": int(np.median([r["tokens"] for r in rows])),
             "tokens_per_s_median": tps["median"], "tokens_per_s_min": tps["min"], "tokens_per_s_max": tps["max"],
             "step_s_median": summarize(r["wall_s"] for r in rows)["median"],
@@ -67,19 +77,28 @@ def measure(context: int, mode: str, workers: int, prompts: int, n: int, steps: 
 
 
 def run(contexts: list[int], workers: int = 2, prompts: int = 16, n: int = 4, steps: int = 4,
-        json_path: str | None = None, modes: tuple[str, ...] = tuple(PLANES)) -> list[dict]:
+        json_path: str | None = None, modes: tuple[str, ...] = tuple(PLANES),
+        engines: tuple[str, ...] = ("hf",)) -> list[dict]:
+    """Every (engine, context, mode) in one run; ratios against the centralized mode of the same
+    engine and context, and against the HF engine in the same mode and context."""
     connect(num_cpus=max(8, 2 * workers))
     records = []
-    for ctx_len in tqdm(contexts, desc="e2e contexts"):
-        by_mode = {m: measure(ctx_len, m, workers, prompts, n, steps) for m in modes}
-        base = by_mode.get("centralized")
-        for r in by_mode.values():
-            same = base is None or bool(np.allclose(r["rewards"], base["rewards"], equal_nan=True))
-            ratio = r["tokens_per_s_median"] / base["tokens_per_s_median"] if base else None
-            records.append({**r, "over_central_tps": ratio, "reward_equal": same})
-    cols = ["mode", "context", "workers", "rows_per_step", "tokens_per_step", "tokens_per_s_median",
-            "tokens_per_s_min", "tokens_per_s_max", "step_s_median", "data_plane_s_median", "bytes_moved",
-            "peak_rss_mib_max", "over_central_tps", "reward_equal"]
+    for engine in engines:
+        for ctx_len in tqdm(contexts, desc=f"e2e contexts ({engine})"):
+            by_mode = {m: measure(ctx_len, m, workers, prompts, n, steps, engine=engine) for m in modes}
+            base = by_mode.get("centralized")
+            for r in by_mode.values():
+                same = base is None or bool(np.allclose(r["rewards"], base["rewards"], equal_nan=True))
+                ratio = r["tokens_per_s_median"] / base["tokens_per_s_median"] if base else None
+                records.append({**r, "over_central_tps": ratio, "reward_equal": same})
+    hf = {(r["mode"], r["context"]): r["tokens_per_s_median"] for r in records if r["engine"] == "hf"}
+    for r in records:
+        r["over_hf_tps"] = r["tokens_per_s_median"] / hf[(r["mode"], r["context"])] if (r["mode"], r["context"]) in hf \
+            else None
+    cols = ["engine", "mode", "context", "workers", "rows_per_step", "tokens_per_step", "tokens_per_s_median",
+            "tokens_per_s_min", "tokens_per_s_max", "step_s_median", "rollout_share_median", "weight_sync_s_median",
+            "data_plane_s_median", "bytes_moved", "peak_rss_mib_max", "over_central_tps", "over_hf_tps",
+            "reward_equal"]
     print_table(records, cols, title=f"end to end: tokens/s per step (median/min/max of {steps} steps)")
     write_json(records, json_path)
     return records
