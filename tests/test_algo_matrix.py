@@ -112,18 +112,23 @@ def test_a_checkpoint_on_worker_groups_resumes_at_its_policy_version(ray_cluster
     assert max(x["schedule/staleness"] for x in m) <= 1
 
 
-VLLM_CELLS = [SCHEDULES[2], SCHEDULES[5], SCHEDULES[8]]  # colocated, one step off, async with partial rollouts
+# On the real vLLM engine: GRPO in every kind of schedule; each other algorithm in one kind, so that
+# together they cover colocated (DAPO: dynamic sampling generates again through vLLM), one step off and async
+VLLM_CELLS = {"grpo": [SCHEDULES[2], SCHEDULES[5], SCHEDULES[8]], "dapo": [SCHEDULES[2]], "gspo": [SCHEDULES[5]],
+              "ppo": [SCHEDULES[7]]}
 
 
-def test_grpo_on_vllm_in_every_kind_of_schedule(ray_cluster, small):
+@pytest.mark.parametrize("algo", list(VLLM_CELLS))
+def test_every_algorithm_on_vllm(ray_cluster, small, algo):
     """The same walk on the real vLLM engine (its CPU build): colocated beside FSDP2 (a sync each update),
     and on a generation group of its own (a torch.distributed world per group: vLLM builds its groups
     over the world, which a training group that never builds an engine would never join)."""
-    for schedule, plane, overrides in VLLM_CELLS:
-        cfg = load_run_config("tiny-cpu-grpo", small + overrides + [f"mode={plane}", "rollout.engine=vllm"])
+    preset, extra = ALGORITHMS[algo]
+    for schedule, plane, overrides in VLLM_CELLS[algo]:
+        cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm"])
         with open_session(cfg, progress=False) as s:
             m = [s.step().metrics for _ in range(UPDATES)]
-        where = f"vllm / {schedule} / {plane}"
+        where = f"vllm / {algo} / {schedule} / {plane}"
         diff = [x["rollout/logprob_diff_max"] for x in m]
         if schedule == "colocated":
             assert max(diff) < 1e-4, (where, diff)  # synced after every update: vLLM holds the trainer's weights
