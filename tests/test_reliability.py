@@ -189,7 +189,9 @@ def test_memory_stays_flat_over_a_long_run(ray_cluster):
     assert memory.growth(df, "driver_rss", warmup=60) < 4 * mib
     assert memory.growth(df, "worker_rss_mean", warmup=60) < 16 * mib
     store = after["object_store"].to_numpy()
-    assert store.max() < 96 * mib  # bounded: old steps are freed
+    # bounded: old steps are freed. The peaks follow the step rate (Ray frees in batches): 60-103 MiB seen on
+    # 2-core runs, so the bound leaves room; a leak shows in the troughs below
+    assert store.max() < 160 * mib
     # Ray frees in batches, so the store is a sawtooth whose peaks follow the step rate; a leak
     # lifts its troughs. The lowest sample of each half is the trough it saw.
     half = len(store) // 2
