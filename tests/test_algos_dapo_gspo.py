@@ -2,7 +2,6 @@
 on fake engines, config errors that name the field. Every expected number is a literal
 derived in the comment next to it."""
 import math
-import types
 
 import numpy as np
 import pytest

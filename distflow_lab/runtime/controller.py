@@ -38,7 +38,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from tqdm.auto import tqdm
 
 from distflow_lab.core.config import SessionConfig, check_groups, check_schedule
-from distflow_lab.core.errors import (CheckpointError, ConfigError, PlaneLost, SessionBroken, StageError,
+from distflow_lab.core.errors import (CheckpointError, PlaneLost, SessionBroken, StageError,
                                       StageTimeout, WorkerLost)
 from distflow_lab.core.spans import spans_to_frame
 from distflow_lab.dataplane.interface import DataPlane, PlaneSetup, Routing
