@@ -112,17 +112,21 @@ def test_a_checkpoint_on_worker_groups_resumes_at_its_policy_version(ray_cluster
     assert max(x["schedule/staleness"] for x in m) <= 1
 
 
-# On the real vLLM engine: GRPO in every kind of schedule; each other algorithm in one kind, so that
-# together they cover colocated (DAPO: dynamic sampling generates again through vLLM), one step off and async
-VLLM_CELLS = {"grpo": [SCHEDULES[2], SCHEDULES[5], SCHEDULES[8]], "dapo": [SCHEDULES[2]], "gspo": [SCHEDULES[5]],
-              "ppo": [SCHEDULES[7]]}
+# On the real vLLM engine: every plane and every kind of schedule, and every algorithm, in 8 cells
+# (pairwise: the engine meets the plane and the schedule, the algorithm meets only the rollout's columns,
+# and DAPO's dynamic sampling, which generates again). Only groups-sync on the distributed plane is left
+# out: it is one_step_off's path with k = 0, which the coordinator cell runs.
+TP2 = ["rollout.tp=2"]  # one vLLM engine over both workers, tensor parallel over gloo
+VLLM_CELLS = {"grpo": [SCHEDULES[2], ("colocated-tp2", "coordinator", TP2), SCHEDULES[5], SCHEDULES[8]],
+              "dapo": [SCHEDULES[0]], "gspo": [SCHEDULES[3], SCHEDULES[6]], "ppo": [SCHEDULES[7]]}
 
 
 @pytest.mark.parametrize("algo", list(VLLM_CELLS))
 def test_every_algorithm_on_vllm(ray_cluster, small, algo):
-    """The same walk on the real vLLM engine (its CPU build): colocated beside FSDP2 (a sync each update),
-    and on a generation group of its own (a torch.distributed world per group: vLLM builds its groups
-    over the world, which a training group that never builds an engine would never join)."""
+    """The same walk on the real vLLM engine (its CPU build): colocated beside FSDP2 (a sync each update,
+    also tensor parallel over two workers), and on a generation group of its own (a torch.distributed
+    world per group: vLLM builds its groups over the world, which a training group that never builds an
+    engine would never join)."""
     preset, extra = ALGORITHMS[algo]
     for schedule, plane, overrides in VLLM_CELLS[algo]:
         cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm"])
@@ -130,10 +134,14 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
             m = [s.step().metrics for _ in range(UPDATES)]
         where = f"vllm / {algo} / {schedule} / {plane}"
         diff = [x["rollout/logprob_diff_max"] for x in m]
-        if schedule == "colocated":
+        if schedule.startswith("colocated") or schedule == "groups-sync":
             assert max(diff) < 1e-4, (where, diff)  # synced after every update: vLLM holds the trainer's weights
+        if schedule.startswith("colocated"):
             continue
         assert [x["schedule/policy_version"] for x in m] == [1.0, 2.0, 3.0], where
-        assert max(x["schedule/staleness"] for x in m) <= (1 if schedule == "one_step_off" else 2), where
+        k = {"groups-sync": 0, "one_step_off": 1, "async": 2}[schedule]
+        assert max(x["schedule/staleness"] for x in m) <= k, where
+        if k == 0:
+            assert [x["schedule/rollout_version"] for x in m] == [0.0, 1.0, 2.0], where
         if schedule == "one_step_off":
             assert m[-1]["schedule/rollout_version"] >= 1 and diff[-1] > 1e-6, (where, m[-1])  # it pulled, and lags

@@ -333,3 +333,18 @@ def test_report_is_standalone(tmp_path, dist, cent, plan):
                             config=None)
     text = write_report(empty, tmp_path / "empty.html").read_text()
     assert "figure failed" not in text and "id='fig-metrics'" in text and "no metrics recorded" in text
+
+
+def test_seed_curves_draw_the_mean_and_the_seeds_range():
+    from distflow_lab.observe.curves import seed_curves
+
+    def run(offset: float) -> pd.DataFrame:
+        return pd.DataFrame({"step": range(4), "reward/mean": np.arange(4) * 0.1 + offset})
+
+    fig = seed_curves({"none": [run(0.0), run(1.0)], "tis": [run(0.5)]}, ["reward/mean"])
+    upper, lower, mean = fig.data[:3]
+    assert np.allclose(mean.y, np.arange(4) * 0.1 + 0.5) and np.allclose(upper.y, np.arange(4) * 0.1 + 1.0)
+    assert np.allclose(lower.y, np.arange(4) * 0.1) and lower.fill == "tonexty"
+    assert [t.name for t in fig.data if t.showlegend] == ["none (2 seeds)", "tis (1 seeds)"]
+    with pytest.raises(KeyError, match="nope"):
+        seed_curves({"none": [run(0.0)]}, ["nope"])

@@ -29,8 +29,8 @@ from distflow_lab.core.spans import SpanRecorder
 from distflow_lab.models.fsdp import TrainEngine, head_token_stats
 from distflow_lab.models.model_dir import build_tiny_qwen2
 from distflow_lab.models.rollout_hf import HFRollout
-from distflow_lab.models.rollout_vllm import (VLLMRollout, _external_launcher_env, assemble_outputs, engine_kwargs,
-                                              request_seeds, sampling_kwargs)
+from distflow_lab.models.rollout_vllm import (VLLMRollout, _external_launcher_env, assemble_outputs,
+                                              clear_stale_cpu_shm, engine_kwargs, request_seeds, sampling_kwargs)
 from distflow_lab.models.sequences import assemble_columns, tokenize_prompts
 from distflow_lab.models.tokenizer import build_char_tokenizer
 
@@ -165,6 +165,31 @@ def test_sampling_params_mapping():
     greedy = sampling_kwargs(vllm_opts(n=1, do_sample=False), EOS, 5)
     assert greedy["temperature"] == 0.0 and greedy["n"] == 1 and "top_p" not in greedy
     FakeSamplingParams(**greedy)  # what vLLM accepts
+
+
+def test_stale_cpu_shared_memory_is_removed_and_a_live_one_is_an_error(tmp_path):
+    """vLLM's CPU all-reduce names its shared memory by TP ranks only and never unlinks it: a dead
+    engine's files would fail the next tp=2 engine (errno 17). Each rank removes its own; a file a
+    live process maps belongs to another engine and is a named error."""
+    import subprocess
+    import sys
+
+    names = ["-tp:0-[0-1]-cpushm_0", "-tp:0-[0-1]-cpushm_1", "-tp:0-[2-3]-cpushm_0", "-tp:0-[2-3]-cpushm_1"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"x" * 4096)
+    assert [f.name for f in clear_stale_cpu_shm(1, 2, tmp_path)] == [names[1]]
+    assert [f.name for f in clear_stale_cpu_shm(2, 2, tmp_path)] == [names[2]]
+    assert sorted(f.name for f in tmp_path.iterdir()) == [names[0], names[3]]
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time\nf = open(sys.argv[1], 'r+b')\n"
+                               "m = mmap.mmap(f.fileno(), 0)\nprint('mapped', flush=True)\ntime.sleep(60)",
+                               str(tmp_path / names[0])], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        with pytest.raises(ConfigError, match=r"another vLLM engine on this host \(pid \d+\) .*cpushm_0"):
+            clear_stale_cpu_shm(0, 2, tmp_path)
+        assert (tmp_path / names[0]).exists()
+    finally:
+        holder.kill()
 
 
 def test_request_seeds_give_every_row_its_own_stream():

@@ -231,6 +231,8 @@ def _external_launcher_env(tp: int) -> None:
         if int(os.environ.get("RANK", -1)) != dist.get_rank() or "MASTER_PORT" not in os.environ:
             raise RuntimeError("vLLM's external launcher needs RANK, MASTER_ADDR and MASTER_PORT of the "
                                "torch.distributed world (the DAG worker sets them)")
+        if tp > 1 and on_cpu():
+            clear_stale_cpu_shm(dist.get_rank(), tp)
         return
     if tp > 1:
         raise ConfigError(f"rollout.tp={tp} needs torch.distributed over the workers (cluster.torch_distributed)")
@@ -238,6 +240,43 @@ def _external_launcher_env(tp: int) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def cpu_shm_files(rank: int, tp: int, root: Path = Path("/dev/shm")) -> list[Path]:
+    """The shared-memory files vLLM's CPU all-reduce creates for `rank` of a TP group. vLLM names
+    them by the group's ranks only (`<ident>-tp:0-[0-1]-cpushm_<i>`, the ident being "//" under the
+    external launcher), so every engine with the same TP ranks on a host uses the same names."""
+    first = rank - rank % tp
+    group = "-".join(str(r) for r in range(first, first + tp))
+    return [f for i in {rank, rank - first} for f in root.glob(f"*-tp:*-[[]{group}[]]-cpushm_{i}")]
+
+
+def _mapped_by_others(path: Path) -> list[int]:
+    """PIDs of live processes other than this one that map `path`."""
+    pids = []
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        pid = int(maps.parent.name)
+        if pid == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if str(path) in maps.read_text():
+                pids.append(pid)
+    return pids
+
+
+def clear_stale_cpu_shm(rank: int, tp: int, root: Path = Path("/dev/shm")) -> list[Path]:
+    """Remove this rank's vLLM CPU shared memory left by an engine whose process died (vLLM never
+    unlinks it, and the next engine with the same TP ranks fails with `create shm ... errno: 17`).
+    A file still mapped by a live process is another engine's: a clear error, not a removal."""
+    removed = []
+    for f in cpu_shm_files(rank, tp, root):
+        if pids := _mapped_by_others(f):
+            raise ConfigError(f"another vLLM engine on this host (pid {pids[0]}) uses the tensor-parallel shared "
+                              f"memory {f.name}: vLLM's CPU build names it by TP ranks only, so run one "
+                              f"rollout.tp={tp} engine per host on CPU")
+        f.unlink(missing_ok=True)
+        removed.append(f)
+    return removed
 
 
 @contextlib.contextmanager

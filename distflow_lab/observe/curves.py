@@ -66,6 +66,42 @@ def metric_curves(metrics: pd.DataFrame | dict[str, pd.DataFrame], columns: list
     return fig
 
 
+def seed_curves(runs: dict[str, list[pd.DataFrame]], columns: list[str], smooth: int = 1) -> go.Figure:
+    """One subplot per metric against step: per run name, the mean over its seeds (a line) and the
+    seeds' min..max (a band). `runs` maps a name to one metrics frame per seed; `smooth` > 1 takes a
+    rolling mean of each seed first."""
+    runs = {name: [df for df in dfs if df is not None and len(df)] for name, dfs in runs.items()}
+    runs = {name: dfs for name, dfs in runs.items() if dfs}
+    if not runs:
+        return empty_figure("no metrics yet", "metrics over seeds")
+    present = {c for dfs in runs.values() for df in dfs for c in df.columns}
+    if missing := [c for c in columns if c not in present]:
+        raise KeyError(f"no run has metric(s) {missing}; recorded: {sorted(present)}")
+    ncols = min(3, len(columns))
+    nrows = math.ceil(len(columns) / ncols)
+    fig = make_subplots(rows=nrows, cols=ncols, subplot_titles=columns, horizontal_spacing=0.08)
+    for i, (name, dfs) in enumerate(runs.items()):
+        color = series_color(i, name)
+        for j, col in enumerate(columns):
+            seeds = pd.DataFrame({k: df.set_index("step")[col].rolling(smooth, min_periods=1).mean()
+                                  for k, df in enumerate(dfs) if col in df.columns})
+            if seeds.empty:
+                continue
+            r, c, x = j // ncols + 1, j % ncols + 1, seeds.index
+            band = dict(mode="lines", line=dict(width=0, color=color), hoverinfo="skip", showlegend=False,
+                        legendgroup=name)
+            fig.add_trace(go.Scatter(x=x, y=seeds.max(axis=1), **band), row=r, col=c)
+            fig.add_trace(go.Scatter(x=x, y=seeds.min(axis=1), fill="tonexty", opacity=0.2, **band), row=r, col=c)
+            fig.add_trace(go.Scatter(x=x, y=seeds.mean(axis=1), mode="lines", line=dict(color=color, width=2),
+                                     name=f"{name} ({seeds.shape[1]} seeds)", legendgroup=name, showlegend=j == 0,
+                                     hovertemplate=f"{name}<br>step %{{x}}: %{{y:.4g}} (mean)<extra></extra>"),
+                          row=r, col=c)
+    fig.update_xaxes(title_text="step", row=nrows)
+    fig.update_layout(template="plotly_white", height=280 * nrows + 60, title="metrics over seeds (mean, min..max)",
+                      margin=dict(l=50, r=20, t=70, b=40))
+    return fig
+
+
 def ablation_figure(df: pd.DataFrame, value: str = "median", lo: str | None = None, hi: str | None = None,
                     ylabel: str | None = None, title: str | None = None) -> go.Figure:
     """Paper Fig. 10: bars grouped by batch size, one per ablation rung (O1..O5),
