@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from distflow_lab.core.config import MODES
+from distflow_lab.core.config import GENERATED_DATA, MODES
 from distflow_lab.core.errors import FriendlyError
 
 
@@ -84,7 +84,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     overrides = list(a.overrides) + ([f"mode={a.mode}"] if a.mode else [])
     cfg = with_defaults(parse_run_config(a.config, overrides))
     run_dir(cfg, a.out, a.overwrite, a.resume)  # refuse to replace a run before anything starts
-    if cfg.data.train not in ("arithmetic", "gsm8k"):  # a given file: check it now, not after the imports
+    if cfg.data.train not in GENERATED_DATA:  # a given file: check it now, not after the imports
         validate_table(read_table(cfg.data.train), cfg.data.train)
     from distflow_lab.api.runner import train  # the heavy part: torch, Ray, transformers
 
@@ -137,7 +137,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "async":
         from distflow_lab.experiments.bench import async_schedules
 
-        async_schedules.run(a.steps, a.warmup, a.modes, a.workers, a.decode_us, a.json)
+        async_schedules.run(a.steps, a.warmup, a.modes, a.workers, a.decode_us, a.json, engines=a.engine)
     elif a.which == "coordinator":
         from distflow_lab.experiments.bench import coordinator
 
@@ -263,6 +263,8 @@ def parser() -> argparse.ArgumentParser:
     asy.add_argument("--modes", type=modes_list(("coordinator", "distributed")), default=("coordinator",))
     asy.add_argument("--workers", type=positive, default=4, help="half generate, half train")
     asy.add_argument("--decode-us", type=float, default=1000.0, help="simulated seconds per decode iteration, in us")
+    asy.add_argument("--engine", type=modes_list(("synthetic", "hf", "vllm"), "engine"), default=("synthetic",),
+                     help="synthetic (simulated decoding) and/or real engines on the tiny-cpu-longtail preset")
     co = bsub.add_parser("coordinator", help="the coordinator actor alone: metadata handling per step")
     co.add_argument("--sizes", type=int_list, default=[8, 16, 32, 64], help="producers = consumers")
     co.add_argument("--items", type=int_list, default=[16, 64], help="items per producer (two or more: see sim)")

@@ -114,10 +114,12 @@ def test_a_checkpoint_on_worker_groups_resumes_at_its_policy_version(ray_cluster
 
 # On the real vLLM engine: every plane and every kind of schedule, and every algorithm, in 8 cells
 # (pairwise: the engine meets the plane and the schedule, the algorithm meets only the rollout's columns,
-# and DAPO's dynamic sampling, which generates again). Only groups-sync on the distributed plane is left
+# and DAPO's dynamic sampling, which generates again). vLLM generates whole responses: partial rollouts
+# (the hf engine's streaming decode) are refused with a named error. Only groups-sync on the distributed plane is left
 # out: it is one_step_off's path with k = 0, which the coordinator cell runs.
 TP2 = ["rollout.tp=2"]  # one vLLM engine over both workers, tensor parallel over gloo
-VLLM_CELLS = {"grpo": [SCHEDULES[2], ("colocated-tp2", "coordinator", TP2), SCHEDULES[5], SCHEDULES[8]],
+WHOLE = ("async", "distributed", [GROUPS, "schedule.kind=async", "schedule.max_staleness=2", "actor.off_policy=tis"])
+VLLM_CELLS = {"grpo": [SCHEDULES[2], ("colocated-tp2", "coordinator", TP2), SCHEDULES[5], WHOLE],
               "dapo": [SCHEDULES[0]], "gspo": [SCHEDULES[3], SCHEDULES[6]], "ppo": [SCHEDULES[7]]}
 
 
@@ -128,6 +130,8 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
     world per group: vLLM builds its groups over the world, which a training group that never builds an
     engine would never join)."""
     preset, extra = ALGORITHMS[algo]
+    with pytest.raises(ConfigError, match="partial_rollout needs rollout.engine=hf"):  # vLLM: whole responses
+        load_run_config(preset, small + extra + SCHEDULES[8][2] + ["mode=distributed", "rollout.engine=vllm"])
     for schedule, plane, overrides in VLLM_CELLS[algo]:
         cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm"])
         with open_session(cfg, progress=False) as s:

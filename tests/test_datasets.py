@@ -124,3 +124,30 @@ def test_arithmetic_deterministic_and_correct(tmp_path):
     assert read_rows(path) == make_arithmetic_rows(20, seed=1, max_operand=5)
     with pytest.raises(ValueError, match="ops"):
         make_arithmetic_rows(1, seed=0, ops=("/",))
+
+
+def test_long_tail_task_rows_lengths_and_reward(tmp_path):
+    """The long-tail task: "L<N>=" -> N digits, N lognormal; the built-in reward scores the length."""
+    import numpy as np
+
+    from distflow_lab.api.runner import load_run_config, prepare_data
+    from distflow_lab.datasets.long_tail import answer, make_long_tail_rows, target_lengths
+    from distflow_lab.datasets.rewards import REWARD_FNS
+
+    rows = make_long_tail_rows(4096, seed=0, median=6, sigma=1.4, max_len=95)
+    assert rows == make_long_tail_rows(4096, seed=0, median=6, sigma=1.4, max_len=95)
+    n = np.array([int(r["extra_info"]["answer"]) for r in rows])
+    assert all(r["prompt"][0]["content"] == f"L{k}=" and r["reward_model"]["ground_truth"] == answer(k)
+               for r, k in zip(rows, n))
+    assert np.median(n) == 6 and n.min() >= 1 and n.max() == 95
+    per_batch = [b.max() / np.median(b) for b in n.reshape(-1, 32)]  # a step's 32 prompts
+    assert np.median(per_batch) >= 10, np.median(per_batch)
+    with pytest.raises(ValueError, match="median > 0"):
+        target_lengths(4, 0, median=0, sigma=1, max_len=9)
+    score = REWARD_FNS["distflow/long_tail"]
+    assert score("0123456789<eos>junk", answer(10)) == 1.0 and score("01234", answer(10)) == 0.5
+    assert score("0124", answer(4)) == 0.0 and score("", answer(3)) == 0.0
+    assert score(answer(30), answer(10)) == 0.0  # three times too long: clipped at 0
+    cfg = load_run_config("tiny-cpu-longtail", [f"data.cache_dir={tmp_path}", "data.long_tail.rows=64"])
+    table = read_rows(prepare_data(cfg))
+    assert len(table) == 64 and max(len(r["reward_model"]["ground_truth"]) for r in table) <= cfg.rollout.max_response_len - 1

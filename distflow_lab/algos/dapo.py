@@ -166,8 +166,11 @@ def regenerate(batch: Batch, ctx: StageContext, seed: int) -> Batch:
     P = heads["input_ids"].shape[1] - heads["responses"].shape[1]  # left-padded prompt width
     cols = ctx.engines.rollout.generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], seed=seed)
     objects = {k: np.repeat(v, ctx.config.rollout.n) for k, v in heads.objects.items()}
+    version = ctx.engines.policy.version  # whole responses from the current policy
     if "version" in batch:  # the rows to concat with carry the generating policy's version
-        cols["version"] = torch.full((len(cols["responses"]),), ctx.engines.policy.version, dtype=torch.int64)
+        cols["version"] = torch.full((len(cols["responses"]),), version, dtype=torch.int64)
+    if "token_versions" in batch:  # ... and, from a streaming rollout, each token's
+        cols["token_versions"] = cols["response_mask"].long() * version
     if "item_id" in batch:  # the new responses take the dropped rows' slots (same groups, n rows each)
         cols["item_id"] = batch["item_id"].clone()
     return score(Batch(cols, objects), ctx)

@@ -75,6 +75,7 @@ class RLEngines:
     critic: TrainEngine | None = None
     rollout: RolloutEngine | None = None
     weights: PolicyWeights | None = None  # worker groups: this worker's half of the weight sync
+    stream: Any = None  # partial rollouts: the streaming decoder around the rollout's module (algos/streaming.py)
 
     def checkpointed(self) -> dict[str, Checkpointable]:
         """The trained engines and the version they are at (the rollout and reference are rebuilt)."""
@@ -90,6 +91,7 @@ class RLEngines:
         self.policy.stale = not self.policy.shared
 
     def close(self) -> None:
+        self.stream = None  # its sequences in flight die with the session
         if self.rollout is not None:
             self.rollout.close()
 

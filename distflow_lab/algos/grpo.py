@@ -22,6 +22,7 @@ from distflow_lab.algos.actor_update import MODEL_INPUTS, ppo_policy, update_act
 from distflow_lab.algos.engine_setup import sync_weights
 from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards
 from distflow_lab.algos.losses import apply_kl_in_reward, kl_penalty, masked_mean
+from distflow_lab.algos.streaming import partial_rollouts, stream_rollout
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import DataSpec, RunConfig
 from distflow_lab.datasets.loader import load_batch
@@ -75,6 +76,8 @@ CONTRACTS = {
 def rollout(batch: Batch, ctx: StageContext) -> Batch:
     cfg, e = ctx.config, ctx.engines
     sync_weights(ctx)  # the actor changed last step: push its weights (a span of its own)
+    if partial_rollouts(ctx):  # async with partial rollouts: sequences decode on across updates (streaming.py)
+        return stream_rollout(batch, ctx)
     prompt_ids, prompt_mask, truncated = tokenize_prompts(e.tokenizer, list(batch["prompt"]), cfg.data.max_prompt_len)
     cols = e.rollout.generate(prompt_ids, prompt_mask, seed=ctx.seed)
     n = cfg.rollout.n
@@ -85,7 +88,8 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     cols["version"] = torch.full((len(cols["responses"]),), e.policy.version, dtype=torch.int64)
     lengths = cols["response_mask"].sum(1).float()
     ctx.log(**{"rollout/prompts_truncated": truncated, "response_length/mean": lengths.mean().item(),
-               "response_length/clip_frac": (lengths == cfg.rollout.max_response_len).float().mean().item()})
+               "response_length/clip_frac": (lengths == cfg.rollout.max_response_len).float().mean().item(),
+               "rollout/len_max_over_median": (lengths.max() / lengths.median().clamp(min=1)).item()})
     return Batch(cols, objects)
 
 

@@ -23,6 +23,7 @@ from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.api.session import Session
 from distflow_lab.core.config import ConfigError, RunConfig, parse_run_config
 from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
+from distflow_lab.datasets.long_tail import write_long_tail_parquet
 from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
 from distflow_lab.datasets.schema import read_table, validate_table
 from distflow_lab.graph.dag import DAG
@@ -49,6 +50,13 @@ def prepare_data(cfg: RunConfig) -> str:
         if not path.exists():
             root.mkdir(parents=True, exist_ok=True)
             write_arithmetic_parquet(path, cfg.data.arithmetic_rows, seed, max_operand=cfg.data.arithmetic_max_operand)
+    elif cfg.data.train == "long_tail":
+        lt = cfg.data.long_tail
+        max_len = cfg.rollout.max_response_len - 1  # room for the eos
+        path = root / f"long_tail-{lt.rows}-m{lt.median:g}-s{lt.sigma:g}-max{max_len}-s{cfg.session.seed}.parquet"
+        if not path.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            write_long_tail_parquet(path, lt.rows, cfg.session.seed, median=lt.median, sigma=lt.sigma, max_len=max_len)
     elif cfg.data.train == "gsm8k":
         path = root / "gsm8k-train.parquet"
         if not path.exists():

@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping
 from typing import Callable
 
 from distflow_lab.core.errors import ConfigError
+from distflow_lab.datasets.long_tail import answer
 
 RewardFn = Callable[..., float]
 
@@ -129,6 +130,17 @@ def exact_match_reward(response: str, ground_truth: str, stop: str = "<eos>") ->
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
+def length_reward(response: str, ground_truth: str, stop: str = "<eos>") -> float:
+    """The long-tail task (datasets/long_tail.py): a response that follows the digit pattern
+    scores 1 - |its length - the target's| / the target's (at least 0); any other scores 0."""
+    if stop:
+        response = response.split(stop, 1)[0]
+    response = response.strip()
+    if response != answer(len(response)):
+        return 0.0
+    return max(0.0, 1.0 - abs(len(response) - len(ground_truth)) / max(1, len(ground_truth)))
+
+
 class _BuiltIn(Mapping):
     """The built-in reward table, read-only: an assignment here would reach only this process."""
 
@@ -153,6 +165,7 @@ class _BuiltIn(Mapping):
 REWARD_FNS: Mapping[str, RewardFn] = _BuiltIn({
     "openai/gsm8k": gsm8k_reward,
     "distflow/arithmetic": exact_match_reward,
+    "distflow/long_tail": length_reward,
 })
 
 

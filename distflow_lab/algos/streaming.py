@@ -1,0 +1,92 @@
+"""Partial rollouts on the HF engine: the rollout stage's path for the async schedule with
+`schedule.partial_rollout` (models/rollout_stream.py does the decoding).
+
+One `HFStreamingRollout` per rollout engine (so per worker) lives across steps around
+the engine's own module: the weights a pull loads are the weights it decodes with. A
+call admits this step's prompts, prefetches later ones from the loader until every slot
+has a sequence, and returns `len(batch)` whole prompts (n rows each), which may be
+prompts admitted by earlier calls: each sequence carries its prompt's `PromptInfo`.
+The policy is refreshed (`ctx.refresh_policy`) every REFRESH_EVERY decode iterations.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from distflow_lab.core.batch import Batch
+from distflow_lab.core.config import check_partial_rollout
+from distflow_lab.models.rollout_stream import HFStreamingRollout, StaleRule
+from distflow_lab.models.sequences import tokenize_prompts
+from distflow_lab.runtime.context import StageContext
+
+REFRESH_EVERY = 8  # decode iterations between policy pulls (a pull is one RPC when nothing is new)
+SLOTS_PER_ROW = 2  # sequences decoding at once per row a call returns: the long tail's slots are refilled
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    """What the later stages need of a prompt, kept with each of its sequences."""
+
+    uid: str
+    ground_truth: Any
+    data_source: str
+
+
+def partial_rollouts(ctx: StageContext) -> bool:
+    """The streaming path applies: partial rollouts asked for (on the hf engine; a session reopened
+    with partial rollouts on another engine is refused here, as the run config refuses it)."""
+    if ctx.schedule.partial_rollout:
+        check_partial_rollout(True, ctx.config.rollout.engine)
+    return ctx.schedule.partial_rollout
+
+
+def stream_rollout(batch: Batch, ctx: StageContext) -> Batch:
+    """n responses for each of `len(batch)` prompts, decoded by continuous batching (see the module doc)."""
+    cfg, e = ctx.config, ctx.engines
+    stream = stream_of(ctx, rows=len(batch) * cfg.rollout.n)
+    truncated = admit(stream, batch, ctx)
+    while ctx.loader is not None and stream.in_flight < stream.slots:  # later steps' prompts keep the slots busy
+        truncated += admit(stream, ctx.loader.next_batch(), ctx)
+    refill = (lambda: admit(stream, ctx.loader.next_batch(), ctx)) if ctx.loader is not None else None
+    refresh = ctx.refresh_policy if e.weights is not None else None  # colocated: the actor's module, nothing to pull
+    rule = StaleRule(ctx.schedule.max_staleness, ctx.trains_by, ctx.schedule.on_stale)
+    out = stream.run(len(batch), version=e.policy.version, seed=ctx.seed, refresh=refresh, stale=rule, refill=refill)
+    cols, c = out.columns, out.counts
+    rows = len(out.prompts)
+    ctx.count(**{k: v for k, v in {"rollout/stale_dropped": c.stale_dropped,
+                                   "rollout/stale_regenerated": c.stale_regenerated,
+                                   "rollout/partial": c.partial}.items() if v})
+    lengths = cols["response_mask"].sum(1).float()
+    ctx.log(**{"rollout/prompts_truncated": truncated, "rollout/partial_frac": c.partial / rows if rows else 0.0,
+               "response_length/mean": lengths.mean().item() if rows else 0.0,
+               "rollout/len_max_over_median": (lengths.max() / lengths.median().clamp(min=1)).item() if rows else 0.0,
+               "response_length/clip_frac": (lengths == cfg.rollout.max_response_len).float().mean().item()
+               if rows else 0.0})
+    objects = {name: np.asarray([getattr(p, name) for p in out.prompts], dtype=object)
+               for name in ("uid", "ground_truth", "data_source")}
+    return Batch(cols, objects)
+
+
+def stream_of(ctx: StageContext, rows: int) -> HFStreamingRollout:
+    """This worker's streaming engine, built on first use around the hf rollout's module."""
+    cfg, e = ctx.config, ctx.engines
+    if e.stream is None:
+        model = getattr(e.rollout, "model", None)
+        if model is None:
+            raise TypeError(f"partial rollouts need the hf rollout engine's module; {type(e.rollout).__name__} has none")
+        slots = min(cfg.rollout.micro_batch, math.ceil(SLOTS_PER_ROW * rows))
+        e.stream = HFStreamingRollout(model, e.tokenizer, cfg.rollout, cfg.data.max_prompt_len, slots, REFRESH_EVERY)
+    return e.stream
+
+
+def admit(stream: HFStreamingRollout, batch: Batch, ctx: StageContext) -> int:
+    """Queue a loader batch's prompts; returns how many were truncated to max_prompt_len."""
+    cfg = ctx.config
+    ids, mask, truncated = tokenize_prompts(ctx.engines.tokenizer, list(batch["prompt"]), cfg.data.max_prompt_len)
+    infos = [PromptInfo(str(r), rm["ground_truth"], src)
+             for r, rm, src in zip(batch["row_id"].tolist(), batch["reward_model"], batch["data_source"])]
+    stream.add(ids, mask, infos)
+    return truncated
