@@ -10,6 +10,7 @@ import pytest
 
 from distflow_lab.api.runner import load_run_config, open_session
 from distflow_lab.core.errors import ConfigError
+from distflow_lab.experiments.schedule_consistency import compare, tiny_config
 
 ALGORITHMS = {  # preset, extra overrides: every algorithm and every estimator a preset allows
     "grpo": ("tiny-cpu-grpo", []),
@@ -112,6 +113,16 @@ def test_a_checkpoint_on_worker_groups_resumes_at_its_policy_version(ray_cluster
     assert max(x["schedule/staleness"] for x in m) <= 1
 
 
+def test_async_k0_is_sync_and_k1_is_one_step_off_on_a_real_engine(ray_cluster, tmp_path):
+    """verl's fully-async users ask for it ("on-policy mode (staleness=0) didn't match main_ppo"): on
+    the HF engine and FSDP2, async with k = 0 gives the sync schedule's metrics and async k = 1
+    one_step_off's, to the bit (same seeds, same versions pulled). vLLM: k = 0 in its groups-sync
+    cell below; both with `python -m distflow_lab.experiments.schedule_consistency --engine vllm`."""
+    table = compare(tiny_config("hf", str(tmp_path)), steps=UPDATES)
+    assert table["equal"].all(), table.to_string()
+    assert table["staleness_max"].tolist() == [0.0, 1.0]  # k = 1 did run one behind
+
+
 # On the real vLLM engine: every plane and every kind of schedule, and every algorithm, in 8 cells
 # (pairwise: the engine meets the plane and the schedule, the algorithm meets only the rollout's columns,
 # and DAPO's dynamic sampling, which generates again). vLLM generates whole responses: partial rollouts
@@ -136,7 +147,13 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
         cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm"])
         with open_session(cfg, progress=False) as s:
             m = [s.step().metrics for _ in range(UPDATES)]
+            if schedule == "groups-sync":  # async with k = 0 is the sync schedule, to the bit
+                s.reopen(schedule="async", max_staleness=0)
+                again = s.run(UPDATES, progress=False)
         where = f"vllm / {algo} / {schedule} / {plane}"
+        if schedule == "groups-sync":
+            for key in ("reward/mean", "actor/loss", "rollout/logprob_diff_max", "schedule/rollout_version"):
+                assert again[key].tolist() == [x[key] for x in m], (where, key)
         diff = [x["rollout/logprob_diff_max"] for x in m]
         if schedule.startswith("colocated") or schedule == "groups-sync":
             assert max(diff) < 1e-4, (where, diff)  # synced after every update: vLLM holds the trainer's weights
