@@ -108,13 +108,14 @@ def ideal_speedup(sync: dict, decode_us: float, slots_per_row: float, items: pd.
 ENGINES = ("synthetic", "hf", "vllm")
 
 
-def real_session(engine: str, mode: str, workers: int) -> Session:
+def real_session(engine: str, mode: str, workers: int, overrides: list[str] | None = None) -> Session:
     """The long-tail preset on a real rollout engine, half the workers generating, half training;
-    truncated IS corrects the off-policy batches of the async schedules."""
+    truncated IS corrects the off-policy batches of the async schedules. `overrides` go last."""
     half = workers // 2
     cfg = load_run_config("tiny-cpu-longtail", [
         f"rollout.engine={engine}", f"mode={mode}", f"cluster.world_size={workers}",
-        f"groups={{rollout: {half}, train: {workers - half}}}", "rollout.log_probs=true", "actor.off_policy=tis"])
+        f"groups={{rollout: {half}, train: {workers - half}}}", "rollout.log_probs=true", "actor.off_policy=tis",
+        *(overrides or [])])
     return open_session(cfg, progress=False)
 
 
@@ -129,9 +130,11 @@ def overlap_ideal(sync: dict) -> tuple[float, dict]:
 
 def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator",), workers: int = 4,
         decode_us: float = 1000.0, json_path: str | None = None,
-        schedules: list[tuple[str, dict]] | None = None, engines: tuple[str, ...] = ("synthetic",)) -> list[dict]:
+        schedules: list[tuple[str, dict]] | None = None, engines: tuple[str, ...] = ("synthetic",),
+        overrides: list[str] | None = None) -> list[dict]:
     """Each schedule (default `SCHEDULES`; the first must be sync: it is the baseline and gives
-    the ideal) on one session per engine and data plane; prints a table, writes the records as JSON."""
+    the ideal) on one session per engine and data plane; prints a table, writes the records as JSON.
+    `overrides` change the real engines' preset (e.g. a shorter warm start)."""
     schedules = schedules or SCHEDULES
     if schedules[0][0] != "sync":
         raise ValueError(f"the first schedule must be 'sync' (the baseline), got {schedules[0][0]!r}")
@@ -143,7 +146,7 @@ def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator
     for engine in engines:
         for mode in modes:
             s = (Session(long_tail_dag(workers=workers, decode_us=decode_us), world_size=workers, mode=mode,
-                         keep_outputs=False) if engine == "synthetic" else real_session(engine, mode, workers))
+                         keep_outputs=False) if engine == "synthetic" else real_session(engine, mode, workers, overrides))
             try:
                 records += _schedules(s, engine, mode, schedules, steps, warmup, decode_us)
             finally:
