@@ -37,6 +37,7 @@ _EXPORTS = {
     "BufferLost": "distflow_lab.core.errors", "CoordinatorLost": "distflow_lab.core.errors",
     "StageContractError": "distflow_lab.core.errors",
     "replay": "distflow_lab.experiments.replay", "replay_accuracy": "distflow_lab.experiments.replay",
+    "schedule_replay_accuracy": "distflow_lab.experiments.schedule_replay",
 }
 
 

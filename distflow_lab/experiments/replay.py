@@ -25,7 +25,8 @@ The model, per recorded step t:
     else scales it by `experiments.sim`'s data-plane cost of the two modes; another worker
     count scales it by the sim's data plane at the two sizes.
 With the recorded choices, predicted(t) equals the recorded wall exactly.
-Schedules (async) are not replayed yet.
+Schedules: `replay(s, schedule=["one_step_off", "async:k=2:partial", ...])` replays a sync run
+on worker groups under other schedules (throughput, staleness): see `schedule_replay`.
 """
 from __future__ import annotations
 
@@ -263,12 +264,29 @@ def _as_list(x: Any, default: Any) -> list:
 
 def replay(source: Any, balance: str | Iterable[str] | None = None, mode: str | Iterable[str] | None = None,
            world_size: int | Iterable[int] | None = None, *, steps: Iterable[int] | None = None,
-           calibration=None, recorded_balance: str | None = None) -> Replay:
+           calibration=None, recorded_balance: str | None = None, schedule: Any = None,
+           **schedule_options: Any):
     """Predicted step times of a recorded run (a Session or a run directory) under other
     choices; each choice is a value or a list (every combination is replayed; None: as
     recorded). `steps`: which recorded steps (default all with items); `calibration`: an
     `experiments.sim.Calibration` for modes or sizes without a recording of their own;
-    `recorded_balance`: the policy a run directory ran with (a Session knows)."""
+    `recorded_balance`: the policy a run directory ran with (a Session knows).
+
+    `schedule`: a schedule or a list ("sync", "one_step_off", "async:k=2:partial", or
+    ("async", {"max_staleness": 2, "partial_rollout": True})): replays a sync run under each
+    (`schedule_replay.replay_schedules`, which takes `schedule_options`: updates, skip, knobs,
+    rollout, train_from) and returns a ScheduleReplay."""
+    if schedule is not None:
+        from distflow_lab.experiments.schedule_replay import replay_schedules
+
+        mixed = [k for k, v in dict(balance=balance, mode=mode, world_size=world_size, steps=steps,
+                                    calibration=calibration).items() if v is not None]
+        if mixed:
+            raise ValueError(f"replay(schedule=...) replays schedules only; it does not take {mixed} as well")
+        return replay_schedules(source, schedule, **schedule_options)
+    if schedule_options:
+        raise TypeError(f"replay() got unexpected keyword arguments {sorted(schedule_options)} "
+                        f"(they go with schedule=...)")
     rec = load_recording(source, recorded_balance)
     if not len(rec.items):
         raise ValueError("no recorded items to replay: run a step first")
@@ -331,12 +349,21 @@ class Accuracy:
 
 def replay_accuracy(policies: Iterable[str] = ("lpt", "kk"), base: str = "none", steps: int = 6, skip: int = 1,
                     mode: str = "distributed", dag=None, world_size: int = 4, session=None,
-                    progress: bool = False) -> Accuracy:
+                    progress: bool = False, schedules: Iterable[Any] | None = None):
     """Record `steps` steps with balance=`base`, replay them under `policies`, run each policy
     for real (same seed: the same items), and compare step by step (the first `skip` steps
     are warm-up and left out). `dag`: default a synthetic GRPO with simulated compute
     (us_per_token) and a long-tailed response length, where balance matters. Reuses
-    `session` (reopened) when given, else opens and closes one."""
+    `session` (reopened) when given, else opens and closes one.
+
+    `schedules` (e.g. ["one_step_off", "async:k=2"]): checks the schedule replay instead
+    (`schedule_replay.schedule_replay_accuracy`: a sync recording on worker groups, `steps`
+    measured updates after `skip` warm-up ones; `dag` default: the async bench's long-tail DAG)."""
+    if schedules is not None:
+        from distflow_lab.experiments.schedule_replay import schedule_replay_accuracy
+
+        return schedule_replay_accuracy(schedules, steps=steps, warmup=skip, dag=dag, workers=world_size, mode=mode,
+                                        session=session)
     from distflow_lab.api.session import Session
     from distflow_lab.experiments.synthetic import synthetic_grpo
 
