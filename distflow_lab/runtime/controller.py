@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 import time
 import uuid
@@ -61,6 +62,26 @@ SETUP_STAGES = 4  # engine set-up (model loading) may take this many stage timeo
 def torch_worlds(plan: Plan) -> list[tuple[int, int]]:
     """(first worker, workers) of each torch.distributed world: one per worker group, else one."""
     return [(first, n) for _, first, n in plan.groups] or [(0, plan.world_size)]
+
+
+# A collective's error on a surviving rank when a peer process died (gloo, NCCL): the peer's death is the cause.
+PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|NCCL communicator was aborted")
+PEER_GRACE_S = 3.0  # how long Ray may take to report the dead peer's actor
+
+
+def _dead_peer(pending: list, index: dict) -> tuple[int, Exception] | None:
+    """(worker, error) of a pending call whose actor died, within PEER_GRACE_S; else None."""
+    if not pending:
+        return None
+    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=PEER_GRACE_S)
+    for r in done:
+        try:
+            ray.get(r, timeout=0)
+        except RayTaskError:
+            continue  # another rank's own error, not a death
+        except RayError as e:
+            return index.get(r, -1), e
+    return None
 
 
 class Controller:
@@ -347,20 +368,25 @@ class Controller:
                 raise StageTimeout(f"stage {stage!r} of step {step} did not finish within {limit_s:.0f}s on workers "
                                    f"{late} (the node's timeout_s, or cluster.stage_timeout_s)", step=step,
                                    stage=stage, worker=late[0])
-            self._check(ready[0], step, stage, index[ready[0]])
+            self._check(ready[0], step, stage, index[ready[0]], pending, index)
         out = ray.get(refs, timeout=60)
         # what the driver received, counted as pickled bytes (a data plane's handoff is object refs, never pickled
         # here: pickling a ref out of band pins its object for good)
         self.metadata_bytes += sum(len(pickle.dumps(o[0] if isinstance(o, tuple) else o)) for o in out)
         return out
 
-    def _check(self, ref, step: int, stage: str, worker: int) -> None:
+    def _check(self, ref, step: int, stage: str, worker: int, pending: list = (), index: dict | None = None) -> None:
         try:
             ray.get(ref, timeout=0)
         except GetTimeoutError:
             return
         except RayTaskError as e:
             cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
+            if PEER_LOST.search(str(cause or e)) and (dead := _dead_peer(pending, index or {})) is not None:
+                worker, e = dead  # a collective broke because a peer died: the death is the error to name
+                self._abort(step, f"worker {worker} died during stage {stage!r}")
+                raise WorkerLost(f"worker {worker} died during stage {stage!r} of step {step}: {type(e).__name__}",
+                                 step=step, stage=stage, worker=worker, remote_traceback=str(e)) from None
             self._abort(step, f"stage {stage!r} failed on worker {worker}")
             if isinstance(cause, StageError):  # keep the subclass (BufferLost, StageContractError, ...)
                 raise type(cause)(cause.summary, step=cause.step, stage=cause.stage, worker=cause.worker,
