@@ -196,7 +196,12 @@ class WandbLogger:
         self.run.log(_finite(metrics), step=int(step))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before wandb's service has written the last records of an offline run (seen on a
+        # loaded 2-core machine: a history read right after close found none); teardown waits for it to exit
+        wandb.teardown()
 
 
 def make_loggers(names: Iterable[str], run_dir: str | Path, config_dict: dict | None = None,
