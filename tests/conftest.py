@@ -138,3 +138,21 @@ def stop_ray_head(temp: str) -> None:
     """Kill only the processes of the cluster under `temp` (`ray stop` would kill every
     Ray process on the machine, this test session's own cluster included)."""
     reap(procs_matching(temp))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """2 shared cores: multi-threaded BLAS on tiny matmuls is ~100x slower under contention."""
+    import torch
+
+    n, _ = torch.get_num_threads(), torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny models' character tokenizer."""
+    from distflow_lab.models.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()

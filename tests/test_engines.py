@@ -30,17 +30,7 @@ P, R = 10, 12
 EOS, PAD = 2, 0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # 2 shared cores: multi-threaded BLAS on tiny matmuls is ~100x slower under contention.
-    n, _ = torch.get_num_threads(), torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tok, one_torch_thread
 
 
 @pytest.fixture(scope="module")

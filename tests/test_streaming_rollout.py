@@ -13,22 +13,12 @@ from distflow_lab.models.model_dir import build_tiny_qwen2
 from distflow_lab.models.rollout_hf import HFRollout
 from distflow_lab.models.rollout_stream import HFStreamingRollout, StaleRule, StreamBatch
 from distflow_lab.models.sequences import tokenize_prompts
-from distflow_lab.models.tokenizer import build_char_tokenizer
 
 P, R = 10, 12
 PROMPTS = ["3+4=", "12*3=", "hello", "a much longer", "x", "77-8=", "q", "abcdef", "zz", "8*8="]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n, _ = torch.get_num_threads(), torch.set_num_threads(1)  # 2 shared cores: tiny matmuls, one thread
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tok, one_torch_thread
 
 
 @pytest.fixture(scope="module")

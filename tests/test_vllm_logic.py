@@ -40,16 +40,7 @@ P, R, EOS, PAD = 10, 12, 2, 0
 FWD = ("input_ids", "attention_mask", "position_ids", "responses")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n, _ = torch.get_num_threads(), torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return build_char_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tok, one_torch_thread
 
 
 @pytest.fixture(scope="module")
