@@ -56,6 +56,20 @@ def modes_list(allowed: tuple[str, ...], what: str = "mode") -> Callable[[str], 
     return parse
 
 
+def schedule_list(text: str) -> list[tuple[str, dict]]:
+    """--schedules sync,one_step_off,async:k=2:partial -> (kind, options), sync first (the baseline)."""
+    from distflow_lab.core.errors import ConfigError
+    from distflow_lab.experiments.schedule_replay import parse_schedule
+
+    try:
+        specs = [parse_schedule(x) for x in text.split(",") if x.strip()]
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not specs or specs[0].kind != "sync":
+        raise argparse.ArgumentTypeError(f"the first schedule must be 'sync' (the baseline), got {text!r}")
+    return [(o.pop("schedule"), o) for o in (dict(sp.options) for sp in specs)]
+
+
 def fresh_file(path: str | None, overwrite: bool, flag: str = "--json") -> None:
     """An output file that exists is replaced only with --overwrite."""
     if path and Path(path).exists() and not overwrite:
@@ -137,7 +151,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "async":
         from distflow_lab.experiments.bench import async_schedules
 
-        async_schedules.run(a.steps, a.warmup, a.modes, a.workers, a.decode_us, a.json, engines=a.engine)
+        async_schedules.run(a.steps, a.warmup, a.modes, a.workers, a.decode_us, a.json, schedules=a.schedules,
+                            engines=a.engine, overrides=a.override)
     elif a.which == "coordinator":
         from distflow_lab.experiments.bench import coordinator
 
@@ -265,6 +280,10 @@ def parser() -> argparse.ArgumentParser:
     asy.add_argument("--decode-us", type=float, default=1000.0, help="simulated seconds per decode iteration, in us")
     asy.add_argument("--engine", type=modes_list(("synthetic", "hf", "vllm"), "engine"), default=("synthetic",),
                      help="synthetic (simulated decoding) and/or real engines on the tiny-cpu-longtail preset")
+    asy.add_argument("--schedules", type=schedule_list, default=None,
+                     help="e.g. sync,one_step_off,async:k=2:partial (first: sync, the baseline); default: all eight")
+    asy.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                     help="a config override for the real engines' preset (repeatable)")
     co = bsub.add_parser("coordinator", help="the coordinator actor alone: metadata handling per step")
     co.add_argument("--sizes", type=int_list, default=[8, 16, 32, 64], help="producers = consumers")
     co.add_argument("--items", type=int_list, default=[16, 64], help="items per producer (two or more: see sim)")

@@ -6,4 +6,4 @@ bash scripts/setup.sh
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0   # Ray binds 127.0.0.1 only
 export RAY_AUTH_MODE=disabled                # local test clusters only; attached clusters keep auth
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q --durations=15 tests "$@"
+exec .venv/bin/python -m pytest -q --durations=60 tests "$@"

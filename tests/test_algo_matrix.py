@@ -56,11 +56,17 @@ def small(tmp_path_factory):
 # The estimator variants differ from grpo only in the advantage function (tests/test_verl_parity.py,
 # test_actor_update.py): one cell each, async on the distributed plane; REINFORCE++ also dp = 2 colocated
 # (batch-wide whitening over gloo).
-# PPO and GSPO run colocated on the distributed plane only: the planes move the same columns for every
-# algorithm (tests/test_rl.py runs GRPO and PPO in all three with identical metrics); GRPO and DAPO (whose
-# dynamic sampling changes the row count) run all three.
-CELLS = {"dr_grpo": [SCHEDULES[8]], "rloo": [SCHEDULES[8]], "reinforce_plus_plus": [SCHEDULES[2], SCHEDULES[8]],
-         "ppo": SCHEDULES[2:], "gspo": SCHEDULES[2:]}
+# Colocated sync runs on the distributed plane for GRPO, PPO and GSPO: tests/test_rl.py runs GRPO and PPO
+# colocated in all three planes with identical metrics, and the planes move the same columns for every
+# algorithm. DAPO, whose dynamic sampling changes the row count, runs colocated in all three. On worker
+# groups GRPO runs every schedule kind on both planes; DAPO, PPO and GSPO run each kind on one plane,
+# alternating the planes between them.
+PARTIAL_COORDINATOR = ("async", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
+                                               "schedule.partial_rollout=true", "actor.off_policy=decoupled"])
+CELLS = {"grpo": SCHEDULES[2:], "dapo": [*SCHEDULES[:3], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
+         "ppo": [SCHEDULES[2], SCHEDULES[4], SCHEDULES[5], SCHEDULES[8]],
+         "gspo": [SCHEDULES[2], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
+         "dr_grpo": [SCHEDULES[8]], "rloo": [PARTIAL_COORDINATOR], "reinforce_plus_plus": [SCHEDULES[2], SCHEDULES[8]]}
 
 
 @pytest.mark.parametrize("algo", list(ALGORITHMS))
@@ -69,7 +75,7 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
     for overrides, error in REFUSED:
         with pytest.raises(ConfigError, match=error):
             load_run_config(preset, small + extra + overrides + ["mode=centralized"])
-    cells = CELLS.get(algo, SCHEDULES)
+    cells = CELLS[algo]
     for schedule, plane, overrides in cells:
         cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}"])
         with open_session(cfg, progress=False) as s:  # colocated: 2 updates show the sync; groups: 3 show the lag
@@ -90,6 +96,7 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
         versions = [x["schedule/policy_version"] for x in m]
         assert versions == [1.0, 2.0, 3.0], (where, versions)  # the training group published every update
         k = {"groups-sync": 0, "one_step_off": 1, "async": 2}[schedule]
+        k = min([k, *(int(o.split("=")[1]) for o in overrides if o.startswith("schedule.max_staleness="))])
         stale = [x["schedule/staleness"] for x in m]
         assert max(stale) <= k, (where, stale)
         rollout = [x["schedule/rollout_version"] for x in m]
@@ -131,11 +138,11 @@ def test_async_k0_is_sync_and_k1_is_one_step_off_on_a_real_engine(ray_cluster, t
 # engine meets each plane and each schedule; the algorithm meets only the rollout's columns, and DAPO's
 # dynamic sampling, which generates again). Each schedule kind runs on one of the two planes that take
 # groups: groups-sync and async on the coordinator, one step off and async on the distributed plane.
-# vLLM generates whole responses: partial rollouts (the hf engine's streaming decode) are refused.
+# Async runs with partial rollouts on both planes that take it (vLLM's engine steps, rollout_vllm_stream.py);
+# async without them is the groups-sync cell's reopen at k = 0.
 TP2 = ["rollout.tp=2"]  # one vLLM engine over both workers, tensor parallel over gloo
-WHOLE = ("async", "distributed", [GROUPS, "schedule.kind=async", "schedule.max_staleness=2", "actor.off_policy=tis"])
-VLLM_CELLS = {"grpo": [SCHEDULES[2], ("colocated-tp2", "coordinator", TP2), WHOLE],
-              "dapo": [SCHEDULES[0]], "gspo": [SCHEDULES[3], SCHEDULES[6]], "ppo": [SCHEDULES[7]]}
+VLLM_CELLS = {"grpo": [SCHEDULES[2], ("colocated-tp2", "coordinator", TP2), SCHEDULES[8]],
+              "dapo": [SCHEDULES[0]], "gspo": [SCHEDULES[3], SCHEDULES[6]], "ppo": [PARTIAL_COORDINATOR]}
 
 
 @pytest.mark.parametrize("algo", list(VLLM_CELLS))
@@ -145,12 +152,10 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
     world per group: vLLM builds its groups over the world, which a training group that never builds an
     engine would never join)."""
     preset, extra = ALGORITHMS[algo]
-    with pytest.raises(ConfigError, match="partial_rollout needs rollout.engine=hf"):  # vLLM: whole responses
-        load_run_config(preset, small + extra + SCHEDULES[8][2] + ["mode=distributed", "rollout.engine=vllm"])
     for schedule, plane, overrides in VLLM_CELLS[algo]:
         cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm"])
-        with open_session(cfg, progress=False) as s:
-            m = [s.step().metrics for _ in range(UPDATES)]
+        with open_session(cfg, progress=False) as s:  # colocated: 2 updates show the sync; groups: 3 show the lag
+            m = [s.step().metrics for _ in range(2 if schedule.startswith("colocated") else UPDATES)]
             if schedule == "groups-sync":  # async with k = 0 is the sync schedule, to the bit
                 s.reopen(schedule="async", max_staleness=0)
                 again = s.run(UPDATES, progress=False)
@@ -165,8 +170,11 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
             continue
         assert [x["schedule/policy_version"] for x in m] == [1.0, 2.0, 3.0], where
         k = {"groups-sync": 0, "one_step_off": 1, "async": 2}[schedule]
+        k = min([k, *(int(o.split("=")[1]) for o in overrides if o.startswith("schedule.max_staleness="))])
         assert max(x["schedule/staleness"] for x in m) <= k, where
         if k == 0:
             assert [x["schedule/rollout_version"] for x in m] == [0.0, 1.0, 2.0], where
+        if "schedule.partial_rollout=true" in overrides:  # the streaming path ran (vLLM's engine steps)
+            assert all("rollout/partial_frac" in x for x in m), (where, m[-1])
         if schedule == "one_step_off":
             assert m[-1]["schedule/rollout_version"] >= 1 and diff[-1] > 1e-6, (where, m[-1])  # it pulled, and lags

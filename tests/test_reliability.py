@@ -75,10 +75,12 @@ def test_rl_resume_after_a_worker_dies_in_training(ray_cluster, rl_base, tmp_pat
 
 def test_cli_resume(ray_cluster, rl_base, tmp_path):
     args = ["run", "tiny-cpu-grpo", "--out", str(tmp_path), *rl_base]
+    attach = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}  # no cluster start per run
     first = subprocess.run([CLI, *args, "--steps", "2", "trainer.checkpoint_every=2"], capture_output=True, text=True,
-                           timeout=600)
+                           timeout=600, env=attach)
     assert first.returncode == 0, first.stdout + first.stderr
-    again = subprocess.run([CLI, *args, "--resume", "--steps", "3"], capture_output=True, text=True, timeout=600)
+    again = subprocess.run([CLI, *args, "--resume", "--steps", "3"], capture_output=True, text=True, timeout=600,
+                           env=attach)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed from" in again.stdout and "step    2" in again.stdout and "step    1" not in again.stdout
     none = subprocess.run([CLI, "run", "tiny-cpu-grpo", "--out", str(tmp_path / "empty"), "--resume", *rl_base],

@@ -92,6 +92,84 @@ def test_a_sync_makes_vllm_generate_with_the_new_weights(setup):
                        hf_greedy(setup, setup["model"])["responses"])
 
 
+# ---------------------------------------------------------------- partial rollouts (rollout_vllm_stream.py)
+def full_log_probs(model, prompt: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(token_t | prompt, tokens_<t) by one full forward: what a trainer recomputes."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([prompt, tokens])[None]).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(1)
+
+
+def rows_of(out) -> dict:
+    """meta -> list of (prompt, tokens, log-probs, versions), one per returned row."""
+    c, got = out.columns, {}
+    for i, meta in enumerate(out.prompts):
+        m, pm = c["response_mask"][i].bool(), c["attention_mask"][i, :P].bool()
+        got.setdefault(meta, []).append((c["input_ids"][i, :P][pm], c["responses"][i][m],
+                                         c["rollout_log_probs"][i][m], c["token_versions"][i][m]))
+    return got
+
+
+def test_streaming_greedy_equals_generate(setup, monkeypatch):
+    """Requests join as others finish (2 slots for 4 prompts): the tokens are generate's."""
+    from distflow_lab.models.rollout_vllm_stream import VLLMStreamingRollout
+
+    e = setup["engine"]
+    e.load_weights(setup["model"].state_dict())
+    want = e.generate(setup["ids"], setup["mask"], seed=0)
+    stream = VLLMStreamingRollout(e, P, slots=2)
+    stream.add(setup["ids"], setup["mask"], metas=list(range(len(PROMPTS))))
+    out = stream.run(len(PROMPTS), version=0, seed=0)
+    assert sorted(out.prompts) == list(range(len(PROMPTS))) and stream.in_flight == 0
+    for i, meta in enumerate(out.prompts):
+        assert torch.equal(out.columns["responses"][i], want["responses"][meta]), meta
+    assert (out.columns["token_versions"] == 0).all() and out.counts.partial == 0
+
+
+def test_sequences_in_flight_resume_across_a_weight_sync_with_the_new_weights(setup, monkeypatch):
+    """A sync mid-stream preempts the running requests; they keep their tokens and go on under the new
+    weights, with the KV recomputed: each token's log-prob is the full forward of the policy of its version."""
+    from distflow_lab.models.rollout_stream import StaleRule
+    from distflow_lab.models.rollout_vllm_stream import VLLMStreamingRollout
+
+    e = setup["engine"]
+    monkeypatch.setattr(e, "cfg", opts(n=2, do_sample=True))
+    old, new = setup["model"], copy.deepcopy(setup["model"])
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    e.load_weights(old.state_dict())
+    synced = []
+
+    def refresh() -> int:  # the first pull brings version 1
+        if not synced:
+            e.load_weights(new.state_dict())
+            synced.append(1)
+        return 1
+
+    stream = VLLMStreamingRollout(e, P, slots=8, refresh_every=2)
+    stream.add(setup["ids"], setup["mask"], metas=list(range(len(PROMPTS))))
+    before = torch.get_rng_state()
+    out = stream.run(len(PROMPTS), version=0, seed=5, refresh=refresh)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert out.counts.refreshes == 1 and out.counts.resumed >= 1 and out.counts.partial >= 1, out.counts
+    for meta, rows in rows_of(out).items():
+        for prompt, tokens, lp, versions in rows:
+            assert (versions[1:] >= versions[:-1]).all()  # 0s, then 1s
+            for v, model in ((0, old), (1, new)):
+                at = versions == v
+                if at.any():
+                    assert torch.allclose(lp[at], full_log_probs(model, prompt, tokens)[at], atol=1e-4), (meta, v)
+    # ageing out aborts requests: k = 0, the next version makes every started v1 sequence stale
+    stream.add(setup["ids"], setup["mask"], metas=list(range(10, 10 + len(PROMPTS))))
+    stream.run(1, version=1, seed=6)
+    started = sum(bool(s.tokens) for s in stream.running.values())
+    later = stream.run(len(PROMPTS) - 1, version=2, seed=7, stale=StaleRule(0, on_stale="regenerate"))
+    assert later.counts.stale_regenerated >= started and (later.columns["token_versions"] == 2).all()
+    assert stream.in_flight == 0 and e.llm.llm_engine.get_num_unfinished_requests() == 0
+
+
 def test_close_then_a_bf16_engine_in_the_same_process_shows_a_real_mismatch(setup):
     setup["engine"].close()
     e = VLLMRollout(str(setup["path"]), setup["tok"], opts(), P, dtype="bfloat16", seed=0, sleep_at_start=False)

@@ -95,7 +95,7 @@ class FakeLLM:
         self.calls.append("reload_weights")
         return [self.model.load_weights(kwargs["weights_iterator"])]
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self, reset_running_requests=False):
         self.calls.append("reset_prefix_cache")
         return True
 
@@ -143,7 +143,7 @@ def test_engine_kwargs_carry_tp_dtype_lengths_memory_and_logprobs_mode():
         kv_cache_memory_bytes=6 * 2**30, logprobs_mode="processed_logprobs",
         disable_custom_all_reduce=True)  # tp >= 2 with one visible GPU per worker: no peer access
     plain = engine_kwargs(vllm_opts(), P, "float32", 0, cpu=False)
-    assert "kv_cache_memory_bytes" not in plain and "logprobs_mode" not in plain
+    assert "kv_cache_memory_bytes" not in plain and plain["logprobs_mode"] == "processed_logprobs"
     assert "disable_custom_all_reduce" not in plain
     assert plain["enable_prefix_caching"] and plain["tensor_parallel_size"] == 1
 
@@ -492,3 +492,13 @@ def test_fsdp2_chunked_head_and_weight_buckets_match_one_process(tok, model, tmp
         assert all(torch.equal(flat[k], v) for k, v in model.state_dict().items())  # no step: the initial weights
     assert r0["stats"] == r1["stats"] == {"bytes": sum(p.numel() * 4 for p in model.parameters()),
                                           "tensors": len(model.state_dict())}
+
+
+def test_partial_rollouts_on_vllm_need_one_rank_per_engine():
+    """The ranks of a tensor-parallel engine would each pull weights and could resume at different versions."""
+    from distflow_lab.core.config import check_partial_rollout
+
+    check_partial_rollout(True, "vllm", 1)
+    check_partial_rollout(False, "vllm", 2)
+    with pytest.raises(ConfigError, match="partial_rollout on vLLM needs rollout.tp=1"):
+        check_partial_rollout(True, "vllm", 2)

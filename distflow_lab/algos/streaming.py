@@ -1,8 +1,9 @@
-"""Partial rollouts on the HF engine: the rollout stage's path for the async schedule with
-`schedule.partial_rollout` (models/rollout_stream.py does the decoding).
+"""Partial rollouts: the rollout stage's path for the async schedule with
+`schedule.partial_rollout`. The hf engine decodes in models/rollout_stream.py, vLLM in
+models/rollout_vllm_stream.py; both take the same calls.
 
-One `HFStreamingRollout` per rollout engine (so per worker) lives across steps around
-the engine's own module: the weights a pull loads are the weights it decodes with. A
+One streamer per rollout engine (so per worker) lives across steps around the engine's
+own module or vLLM engine: the weights a pull loads are the weights it decodes with. A
 call admits this step's prompts, prefetches later ones from the loader until every slot
 has a sequence, and returns `len(batch)` whole prompts (n rows each), which may be
 prompts admitted by earlier calls: each sequence carries its prompt's `PromptInfo`.
@@ -19,6 +20,8 @@ import numpy as np
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import check_partial_rollout
 from distflow_lab.models.rollout_stream import HFStreamingRollout, StaleRule
+from distflow_lab.models.rollout_vllm import VLLMRollout
+from distflow_lab.models.rollout_vllm_stream import VLLMStreamingRollout
 from distflow_lab.models.sequences import tokenize_prompts
 from distflow_lab.runtime.context import StageContext
 
@@ -36,10 +39,10 @@ class PromptInfo:
 
 
 def partial_rollouts(ctx: StageContext) -> bool:
-    """The streaming path applies: partial rollouts asked for (on the hf engine; a session reopened
-    with partial rollouts on another engine is refused here, as the run config refuses it)."""
+    """The streaming path applies: partial rollouts asked for (a session reopened with partial
+    rollouts where the run config would refuse them is refused here too)."""
     if ctx.schedule.partial_rollout:
-        check_partial_rollout(True, ctx.config.rollout.engine)
+        check_partial_rollout(True, ctx.config.rollout.engine, ctx.config.rollout.tp)
     return ctx.schedule.partial_rollout
 
 
@@ -58,7 +61,7 @@ def stream_rollout(batch: Batch, ctx: StageContext) -> Batch:
     rows = len(out.prompts)
     ctx.count(**{k: v for k, v in {"rollout/stale_dropped": c.stale_dropped,
                                    "rollout/stale_regenerated": c.stale_regenerated,
-                                   "rollout/partial": c.partial}.items() if v})
+                                   "rollout/partial": c.partial, "rollout/resumed": c.resumed}.items() if v})
     lengths = cols["response_mask"].sum(1).float()
     ctx.log(**{"rollout/prompts_truncated": truncated, "rollout/partial_frac": c.partial / rows if rows else 0.0,
                "response_length/mean": lengths.mean().item() if rows else 0.0,
@@ -70,15 +73,20 @@ def stream_rollout(batch: Batch, ctx: StageContext) -> Batch:
     return Batch(cols, objects)
 
 
-def stream_of(ctx: StageContext, rows: int) -> HFStreamingRollout:
-    """This worker's streaming engine, built on first use around the hf rollout's module."""
+def stream_of(ctx: StageContext, rows: int) -> HFStreamingRollout | VLLMStreamingRollout:
+    """This worker's streaming engine, built on first use around the rollout's module or vLLM engine."""
     cfg, e = ctx.config, ctx.engines
     if e.stream is None:
-        model = getattr(e.rollout, "model", None)
-        if model is None:
-            raise TypeError(f"partial rollouts need the hf rollout engine's module; {type(e.rollout).__name__} has none")
         slots = min(cfg.rollout.micro_batch, math.ceil(SLOTS_PER_ROW * rows))
-        e.stream = HFStreamingRollout(model, e.tokenizer, cfg.rollout, cfg.data.max_prompt_len, slots, REFRESH_EVERY)
+        model = getattr(e.rollout, "model", None)
+        if isinstance(e.rollout, VLLMRollout):
+            e.stream = VLLMStreamingRollout(e.rollout, cfg.data.max_prompt_len, slots, REFRESH_EVERY)
+        elif model is not None:
+            e.stream = HFStreamingRollout(model, e.tokenizer, cfg.rollout, cfg.data.max_prompt_len, slots,
+                                          REFRESH_EVERY)
+        else:
+            raise TypeError(f"partial rollouts need the hf rollout's module or a vLLM engine; "
+                            f"{type(e.rollout).__name__} has neither")
     return e.stream
 
 

@@ -236,6 +236,15 @@ def _knobs_from_params(params: dict) -> Knobs:
     return Knobs(**{k: type(v)(params.get(k, v)) for k, v in DEFAULT_KNOBS.items()})
 
 
+def _session_knobs(s: Any, rollout: Any) -> Knobs:
+    """The synthetic rollout's node params; on a real engine (hf, vllm) algos/streaming.py's constants."""
+    if getattr(s.config, "algo", None) is not None and not set(DEFAULT_KNOBS) & set(rollout.params):
+        from distflow_lab.algos.streaming import REFRESH_EVERY, SLOTS_PER_ROW
+
+        return Knobs(slots_per_row=float(SLOTS_PER_ROW), refresh_every=REFRESH_EVERY)
+    return _knobs_from_params(rollout.params)
+
+
 def _from_session(s: Any) -> _Source:
     plan = s.plan
     if s.config.schedule.kind != "sync":
@@ -252,7 +261,7 @@ def _from_session(s: Any) -> _Source:
         first = next((st.index for st in plan.stages if st.role in TRAIN_ROLES), len(plan.stages))
         gen = [st.id for st in plan.stages[:first]]
     train = [st.id for st in plan.stages if st.id not in gen]
-    return _Source(s.spans, s.metrics, s.items(), gen, train, rollout.id, _knobs_from_params(rollout.params),
+    return _Source(s.spans, s.metrics, s.items(), gen, train, rollout.id, _session_knobs(s, rollout),
                    not plan.groups)
 
 
@@ -767,22 +776,36 @@ def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m distflow_lab.experiments.schedule_replay --steps 24 --warmup 3 [--json out.json]"""
+    """python -m distflow_lab.experiments.schedule_replay --steps 24 --warmup 3 [--engine hf] [--json out.json]"""
     import argparse
     import json
 
     from distflow_lab.runtime.cluster import connect
 
     p = argparse.ArgumentParser(prog="python -m distflow_lab.experiments.schedule_replay",
-                                description="schedule replay of a sync run vs real runs (synthetic long-tail DAG)")
+                                description="schedule replay of a sync run vs real runs (synthetic long-tail DAG, or "
+                                            "the tiny-cpu-longtail preset on a real engine)")
     p.add_argument("--schedules", default=",".join(ACCURACY_SCHEDULES), help="comma-separated, e.g. async:k=2:partial")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--mode", default="coordinator")
+    p.add_argument("--engine", choices=("synthetic", "hf", "vllm"), default="synthetic",
+                   help="hf/vllm: the tiny-cpu-longtail preset, 1 rollout + 1 train worker (bench async's session)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="for the real engines' preset")
     p.add_argument("--json", dest="json_path")
     a = p.parse_args(argv)
     connect()
-    acc = schedule_replay_accuracy(a.schedules.split(","), steps=a.steps, warmup=a.warmup, mode=a.mode)
+    session = None
+    if a.engine != "synthetic":
+        from distflow_lab.experiments.bench.async_schedules import real_session
+
+        session = real_session(a.engine, a.mode, 2, a.override)
+    try:
+        acc = schedule_replay_accuracy(a.schedules.split(","), steps=a.steps, warmup=a.warmup, mode=a.mode,
+                                       session=session)
+    finally:
+        if session is not None:
+            session.close()
     print(acc.replayed)
     print(acc)
     if a.json_path:

@@ -37,6 +37,10 @@ one sequence back at the head of the queue, from its first token.
 
 The output depends only on the inputs, the calls' seeds and the versions seen: sampling
 draws from a `torch.Generator` seeded per call; the global RNG is not touched.
+
+The bookkeeping that does not depend on the engine (waiting and finished sequences, ageing
+out, the output columns) is `SequenceBook` and `stream_batch`, shared with vLLM's streamer
+(rollout_vllm_stream.py).
 """
 from __future__ import annotations
 
@@ -77,6 +81,7 @@ class StreamCounts:
     stale_regenerated: int = 0  # sequences sent back to start again
     iterations: int = 0  # decode iterations run
     refreshes: int = 0  # refresh() calls that brought a new version
+    resumed: int = 0  # sequences in flight (started, unfinished) when the weights changed: they go on
 
 
 @dataclass
@@ -119,6 +124,64 @@ class _Seq:
         self.tokens, self.logps, self.versions, self.done = [], [], [], False
 
 
+class SequenceBook:
+    """The sequences a streaming engine holds between calls, besides its running ones: `waiting`
+    to start and `ready` prompts (all n finished) not yet returned, oldest first. Ageing out
+    removes sequences; `evict(seqs)` takes the running ones out of the engine."""
+
+    def __init__(self, n: int, evict: Callable[[set[_Seq]], None]):
+        self.n, self.evict = n, evict
+        self.waiting: deque[_Seq] = deque()
+        self.ready: list[_Group] = []
+
+    def add(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metas: Sequence[Any]) -> None:
+        """Queue prompts (left-padded [B, P]), n sequences each; `metas[i]` comes back with prompt i's rows."""
+        if len(metas) != len(prompt_ids) or prompt_ids.shape != prompt_mask.shape:
+            raise ValueError(f"add: {len(prompt_ids)} prompts, mask {tuple(prompt_mask.shape)}, {len(metas)} metas")
+        for ids, mask, meta in zip(prompt_ids.long().cpu(), prompt_mask.long().cpu(), metas):
+            g = _Group(meta, ids, mask)
+            g.seqs = [_Seq(g) for _ in range(self.n)]
+            self.waiting.extend(g.seqs)
+
+    def finish(self, s: _Seq) -> None:
+        s.done = True
+        if s.group.finished:
+            self.ready.append(s.group)
+
+    def take(self, groups: int) -> list[_Group]:
+        out, self.ready = self.ready[:groups], self.ready[groups:]
+        return out
+
+    def age_out(self, rule: StaleRule, version: int, running: Sequence[_Seq], counts: StreamCounts) -> None:
+        """Drop or regenerate the sequences, started and not yet returned, that `rule` finds stale."""
+        trains_at = max(version, rule.trains_by if rule.trains_by is not None else version)
+        held = dict.fromkeys([*self.ready, *(s.group for s in running), *(s.group for s in self.waiting)])
+        for g in held:
+            stale = [s for s in g.seqs if s.versions and trains_at - s.versions[0] > rule.max_staleness]
+            if stale and rule.on_stale == "drop":
+                counts.stale_dropped += self._drop(g)
+                continue
+            for s in stale:
+                self._restart(s)
+                counts.stale_regenerated += 1
+
+    def _restart(self, s: _Seq) -> None:
+        """`s` starts again from its first token, at the head of the queue."""
+        if s.group in self.ready:
+            self.ready.remove(s.group)
+        self.evict({s})
+        s.restart()
+        self.waiting.appendleft(s)
+
+    def _drop(self, g: _Group) -> int:
+        """Forget the prompt and all its sequences; returns how many had started."""
+        if g in self.ready:
+            self.ready.remove(g)
+        self.evict(set(g.seqs))
+        self.waiting = deque(s for s in self.waiting if s.group is not g)
+        return sum(bool(s.tokens) for s in g.seqs)
+
+
 class HFStreamingRollout:
     """Continuous batching over `model` (see the module doc). Holds sequences between calls:
     one instance per rollout worker, reused every step."""
@@ -135,9 +198,8 @@ class HFStreamingRollout:
         self.slots, self.refresh_every, self.recompute_kv_on_update = slots, refresh_every, recompute_kv_on_update
         self.warpers = _warpers(opts)
         self.version: int | None = None  # the weights' version as of the last call or refresh
-        self.waiting: deque[_Seq] = deque()
+        self.book = SequenceBook(opts.n, self._evict)  # waiting and ready sequences
         self.active: list[_Seq] = []  # aligned with the cache's batch rows
-        self.ready: list[_Group] = []  # every sequence finished, not yet returned (oldest first)
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [active, T]: 1 where the cache holds a real token
 
@@ -148,16 +210,11 @@ class HFStreamingRollout:
     @property
     def in_flight(self) -> int:
         """Sequences admitted or waiting that a later call may return."""
-        return len(self.waiting) + len(self.active)
+        return len(self.book.waiting) + len(self.active)
 
     def add(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metas: Sequence[Any]) -> None:
         """Queue prompts (left-padded [B, P]), n sequences each; `metas[i]` comes back with prompt i's rows."""
-        if len(metas) != len(prompt_ids) or prompt_ids.shape != prompt_mask.shape:
-            raise ValueError(f"add: {len(prompt_ids)} prompts, mask {tuple(prompt_mask.shape)}, {len(metas)} metas")
-        for ids, mask, meta in zip(prompt_ids.long().cpu(), prompt_mask.long().cpu(), metas):
-            g = _Group(meta, ids, mask)
-            g.seqs = [_Seq(g) for _ in range(self.cfg.n)]
-            self.waiting.extend(g.seqs)
+        self.book.add(prompt_ids, prompt_mask, metas)
 
     @torch.no_grad()
     def run(self, groups: int, version: int, seed: int, refresh: Callable[[], int] | None = None,
@@ -170,21 +227,11 @@ class HFStreamingRollout:
         self.model.eval()
         try:
             self._new_version(version, stale, counts)
-            while len(self.ready) < groups:
-                if not (self.active or self.waiting) and refill is not None:
-                    refill()
-                if not (self.active or self.waiting):
-                    break
-                self._iterate(gen)
-                counts.iterations += 1
-                if refresh is not None and counts.iterations % self.refresh_every == 0:
-                    before = self.version
-                    self._new_version(refresh(), stale, counts)
-                    counts.refreshes += int(self.version != before)
+            decode_until(self, groups, lambda: self._iterate(gen), refresh, stale, refill, counts)
         finally:
             self.model.train(was_training)
-        out, self.ready = self.ready[:groups], self.ready[groups:]
-        return self._batch(out, counts)
+        return stream_batch(self.book.take(groups), counts, self.cfg.max_response_len, self.eos_id, self.pad_id,
+                            self.max_prompt_len)
 
     # ---- one iteration ------------------------------------------------------------------
     def _iterate(self, gen: torch.Generator) -> None:
@@ -192,7 +239,8 @@ class HFStreamingRollout:
         if self.active:
             logits = self._decode()
             self._sample(self.active, logits, gen)
-        joiners = [self.waiting.popleft() for _ in range(min(self.slots - len(self.active), len(self.waiting)))]
+        w = self.book.waiting
+        joiners = [w.popleft() for _ in range(min(self.slots - len(self.active), len(w)))]
         if joiners:
             cache, mask, logits = self._prefill([s.group.prompt for s in joiners])
             self._sample(joiners, logits, gen)
@@ -266,9 +314,7 @@ class HFStreamingRollout:
         keep = []
         for i, s in enumerate(self.active):
             if s.tokens[-1] == self.eos_id or len(s.tokens) >= R:
-                s.done = True
-                if s.group.finished:
-                    self.ready.append(s.group)
+                self.book.finish(s)
             else:
                 keep.append(i)
         if len(keep) < len(self.active):
@@ -279,7 +325,9 @@ class HFStreamingRollout:
         changed = self.version is not None and version != self.version
         self.version = version
         if stale is not None:
-            self._age_out(stale, counts)
+            self.book.age_out(stale, version, self.active, counts)
+        if changed:
+            counts.resumed += sum(bool(s.tokens) for s in self.active)
         if changed and self.recompute_kv_on_update and self.active:
             self._recompute_cache()
 
@@ -289,61 +337,52 @@ class HFStreamingRollout:
         rows = [torch.cat([s.group.prompt, torch.tensor(s.tokens[:-1], dtype=torch.long)]) for s in self.active]
         self._cache, self._mask, _ = self._prefill(rows)
 
-    def _age_out(self, rule: StaleRule, counts: StreamCounts) -> None:
-        """Drop or regenerate the sequences, started and not yet returned, that `rule` finds stale."""
-        trains_at = max(self.version, rule.trains_by if rule.trains_by is not None else self.version)
-        held = dict.fromkeys([*self.ready, *(s.group for s in self.active), *(s.group for s in self.waiting)])
-        for g in held:
-            stale = [s for s in g.seqs if s.versions and trains_at - s.versions[0] > rule.max_staleness]
-            if stale and rule.on_stale == "drop":
-                counts.stale_dropped += self._drop(g)
-                continue
-            for s in stale:
-                self._restart(s)
-                counts.stale_regenerated += 1
-
-    def _restart(self, s: _Seq) -> None:
-        """`s` starts again from its first token, at the head of the queue."""
-        if s.group in self.ready:
-            self.ready.remove(s.group)
-        self._evict({s})
-        s.restart()
-        self.waiting.appendleft(s)
-
-    def _drop(self, g: _Group) -> int:
-        """Forget the prompt and all its sequences; returns how many had started."""
-        if g in self.ready:
-            self.ready.remove(g)
-        self._evict(set(g.seqs))
-        self.waiting = deque(s for s in self.waiting if s.group is not g)
-        return sum(bool(s.tokens) for s in g.seqs)
-
     def _evict(self, seqs: set[_Seq]) -> None:
         if any(s in seqs for s in self.active):
             self._keep([i for i, s in enumerate(self.active) if s not in seqs])
 
-    # ---- output -------------------------------------------------------------------------------
-    def _batch(self, groups: list[_Group], counts: StreamCounts) -> StreamBatch:
-        seqs = [s for g in groups for s in g.seqs]
-        R, B = self.cfg.max_response_len, len(seqs)
-        responses = torch.full((B, R), self.pad_id, dtype=torch.long)
-        valid = torch.zeros((B, R), dtype=torch.bool)
-        logps = torch.zeros((B, R), dtype=torch.float32)
-        versions = torch.zeros((B, R), dtype=torch.int64)
-        for i, s in enumerate(seqs):
-            L = len(s.tokens)
-            responses[i, :L], valid[i, :L] = torch.tensor(s.tokens), True
-            logps[i, :L], versions[i, :L] = torch.tensor(s.logps), torch.tensor(s.versions)
-        response_mask = response_mask_from_eos(responses, self.eos_id, valid)
-        responses = torch.where(response_mask.bool(), responses, self.pad_id)
-        prompts = torch.stack([s.group.prompt_ids for s in seqs]) if seqs else torch.zeros((0, self.max_prompt_len))
-        pmask = torch.stack([s.group.prompt_mask for s in seqs]) if seqs else torch.zeros((0, self.max_prompt_len))
-        cols = assemble_columns(prompts, pmask, responses, response_mask)
-        cols["rollout_log_probs"] = logps * response_mask
-        cols["token_versions"] = versions * response_mask
-        cols["version"] = torch.tensor([s.versions[0] for s in seqs], dtype=torch.int64)  # the oldest token's
-        counts.partial = sum(len(set(s.versions)) > 1 for s in seqs)
-        return StreamBatch(cols, [s.group.meta for s in seqs], counts)
+def decode_until(engine: Any, groups: int, iterate: Callable[[], None], refresh: Callable[[], int] | None,
+                 stale: StaleRule | None, refill: Callable[[], Any] | None, counts: StreamCounts) -> None:
+    """The streaming engines' loop: one decode iteration at a time until `groups` prompts are
+    ready; when nothing is in flight `refill()` may add prompts; every `engine.refresh_every`
+    iterations `refresh()` may bring a new version (`engine._new_version` ages sequences out)."""
+    while len(engine.book.ready) < groups:
+        if not engine.in_flight and refill is not None:
+            refill()
+        if not engine.in_flight:
+            break
+        iterate()
+        counts.iterations += 1
+        if refresh is not None and counts.iterations % engine.refresh_every == 0:
+            before = engine.version
+            engine._new_version(refresh(), stale, counts)
+            counts.refreshes += int(engine.version != before)
+
+
+def stream_batch(groups: list[_Group], counts: StreamCounts, max_response_len: int, eos_id: int, pad_id: int,
+                 max_prompt_len: int) -> StreamBatch:
+    """The rows of finished prompts (n per prompt, in order): verl's columns, the behaviour
+    log-probs, every token's version, and each row's oldest version; `counts.partial` is set."""
+    seqs = [s for g in groups for s in g.seqs]
+    R, B = max_response_len, len(seqs)
+    responses = torch.full((B, R), pad_id, dtype=torch.long)
+    valid = torch.zeros((B, R), dtype=torch.bool)
+    logps = torch.zeros((B, R), dtype=torch.float32)
+    versions = torch.zeros((B, R), dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        L = len(s.tokens)
+        responses[i, :L], valid[i, :L] = torch.tensor(s.tokens), True
+        logps[i, :L], versions[i, :L] = torch.tensor(s.logps), torch.tensor(s.versions)
+    response_mask = response_mask_from_eos(responses, eos_id, valid)
+    responses = torch.where(response_mask.bool(), responses, pad_id)
+    prompts = torch.stack([s.group.prompt_ids for s in seqs]) if seqs else torch.zeros((0, max_prompt_len))
+    pmask = torch.stack([s.group.prompt_mask for s in seqs]) if seqs else torch.zeros((0, max_prompt_len))
+    cols = assemble_columns(prompts, pmask, responses, response_mask)
+    cols["rollout_log_probs"] = logps * response_mask
+    cols["token_versions"] = versions * response_mask
+    cols["version"] = torch.tensor([s.versions[0] for s in seqs], dtype=torch.int64)  # the oldest token's
+    counts.partial = sum(len(set(s.versions)) > 1 for s in seqs)
+    return StreamBatch(cols, [s.group.meta for s in seqs], counts)
 
 
 def _warpers(c: RolloutOptions) -> LogitsProcessorList:

@@ -43,7 +43,10 @@ vLLM sources this is written against (0.32.0, the version pinned; the API parts 
 
 * vllm/entrypoints/llm.py: `LLM(model, **EngineArgs)`, `generate(prompts, sampling_params=[one per
   prompt], use_tqdm=False)` (outputs in request order), `apply_model(fn)` (in process: `fn(model)`
-  gets the nn.Module itself), `sleep(level)`, `wake_up(tags)`, `reset_prefix_cache()`.
+  gets the nn.Module itself), `sleep(level)`, `wake_up(tags)`, `reset_prefix_cache(reset_running_requests)`.
+* vllm/v1/engine/llm_engine.py: `add_request(id, prompt, params)`, `step()`, `abort_request(ids)` (the
+  streaming rollout, rollout_vllm_stream.py); vllm/v1/core/sched/scheduler.py: `reset_prefix_cache(
+  reset_running_requests=True)` preempts running requests, which keep their tokens and recompute their KV.
 * vllm/engine/arg_utils.py: tensor_parallel_size, dtype, seed, max_model_len, max_num_seqs,
   gpu_memory_utilization, kv_cache_memory_bytes, enable_sleep_mode, enable_prefix_caching,
   enforce_eager, skip_tokenizer_init, logprobs_mode, distributed_executor_backend.
@@ -118,8 +121,9 @@ def engine_kwargs(opts: RolloutOptions, max_prompt_len: int, dtype: str, seed: i
         kw["kv_cache_memory_bytes"] = int(v.kv_cache_gib * (1 << 30))
     elif cpu:
         kw["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    if opts.log_probs:  # after temperature (and top-k/top-p), like the trainer's logits / T
-        kw["logprobs_mode"] = "processed_logprobs"
+    # log-probs, when a request asks (rollout.log_probs, and partial rollouts always), after temperature
+    # (and top-k/top-p), like the trainer's logits / T
+    kw["logprobs_mode"] = "processed_logprobs"
     return kw
 
 
@@ -365,12 +369,15 @@ class VLLMRollout:
         self._wake("weights", "kv_cache")
         c = self.cfg
         requests = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        params = [self._vllm.SamplingParams(**sampling_kwargs(c, self.eos_id, s))
-                  for s in request_seeds(seed, len(requests), c.n)]
+        params = [self.request_params(s) for s in request_seeds(seed, len(requests), c.n)]
         with kept_rng_state():  # seeded sampling draws from torch's global generator
             outputs = self.llm.generate(requests, sampling_params=params, use_tqdm=False)
         return assemble_outputs(outputs, prompt_ids, prompt_mask, c.n, c.max_response_len, self.eos_id, self.pad_id,
                                 c.log_probs)
+
+    def request_params(self, seed: int, **override: Any) -> Any:
+        """One request's `vllm.SamplingParams`: `sampling_kwargs`, then `override`."""
+        return self._vllm.SamplingParams(**{**sampling_kwargs(self.cfg, self.eos_id, seed), **override})
 
     # ---- weight sync
     def load_weights(self, weights: Mapping[str, Tensor] | Iterable[Bucket]) -> int:
@@ -378,7 +385,8 @@ class VLLMRollout:
         time (`TrainEngine.weight_buckets`; collective under FSDP, so every rank must call this),
         through vLLM's in-place reload. Every tensor of the checkpoint must arrive: a partial load is
         an error (the engine then refuses to generate until a full one). Resets the prefix cache (its
-        KV came from the old weights). Returns the tensors loaded."""
+        KV came from the old weights); requests still running (partial rollouts) are preempted, and
+        vLLM recomputes their KV under the new weights when they resume. Returns the tensors loaded."""
         buckets = [list(weights.items())] if isinstance(weights, Mapping) else weights
         self._wake("weights")
         seen: list[str] = []
@@ -389,8 +397,8 @@ class VLLMRollout:
             raise RuntimeError(f"weight sync covered {len(set(seen))} of the checkpoint's {len(self.expected_names)} "
                                f"tensors; missing {missing[:5]}{' ...' if len(missing) > 5 else ''}: the engine "
                                "holds a mix of old and new weights and refuses to generate until a full sync")
-        if self.llm.reset_prefix_cache() is False:
-            raise RuntimeError("vLLM could not reset its prefix cache after the weight sync (requests still running?)")
+        if self.llm.reset_prefix_cache(reset_running_requests=True) is False:
+            raise RuntimeError("vLLM could not reset its prefix cache after the weight sync")
         self.needs_weights = False
         return len(seen)
 

@@ -62,12 +62,13 @@ class ModelOptions(Strict):
     """The trainer's compute dtype under FSDP2 (its MixedPrecisionPolicy: parameters gathered in this dtype, gradients reduced in float32); None: dtype. bfloat16 with dtype float32 is the usual GPU setting."""
 
 
-def check_partial_rollout(partial_rollout: bool, engine: str) -> None:
-    """Partial rollouts decode across weight updates: the hf engine streams (models/rollout_stream.py);
-    vLLM's adapter generates whole responses, so asking it for partial rollouts is an error, not a no-op."""
-    if partial_rollout and engine != "hf":
-        raise ConfigError(f"schedule.partial_rollout needs rollout.engine=hf (streaming decode); the {engine} "
-                          "rollout generates whole responses: set schedule.partial_rollout=false")
+def check_partial_rollout(partial_rollout: bool, engine: str, tp: int = 1) -> None:
+    """Partial rollouts decode across weight updates: the hf engine streams (models/rollout_stream.py),
+    vLLM steps its engine (models/rollout_vllm_stream.py) on one rank per engine: the ranks of a
+    tensor-parallel group would each pull weights on their own and could resume at different versions."""
+    if partial_rollout and engine == "vllm" and tp > 1:
+        raise ConfigError(f"schedule.partial_rollout on vLLM needs rollout.tp=1 (got {tp}): the ranks of a "
+                          "tensor-parallel engine could resume at different policy versions")
 
 
 class LongTailOptions(Strict):
@@ -402,7 +403,7 @@ class RunConfig(Strict):
         if self.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ConfigError("rollout.engine=vllm but vLLM is not installed: `bash scripts/setup.sh` installs its CPU "
                               "build on a CPU machine, pip install -e '.[gpu]' on a CUDA one; or use rollout.engine=hf")
-        check_partial_rollout(s.schedule.partial_rollout, self.rollout.engine)
+        check_partial_rollout(s.schedule.partial_rollout, self.rollout.engine, self.rollout.tp)
         if s.cluster.world_size > 1 and not s.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
         check_switches(s.mode, s.switches)

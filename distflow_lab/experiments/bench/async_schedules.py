@@ -21,6 +21,10 @@ training T: median(G + T) / max(median(G), median(T)).
 
     distflow-lab bench async --steps 12 --json benchmarks/results/async.json
     distflow-lab bench async --engine synthetic,hf,vllm --steps 8 --json benchmarks/results/async_engines.json
+
+`--schedules sync,one_step_off,async:k=2:partial` picks schedules (the first must be sync);
+`--override KEY=VALUE` changes the real engines' preset, e.g. a >= 50M-parameter model to see
+the weight sync bandwidth-bound rather than latency-bound.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from tqdm.auto import tqdm
 
 from distflow_lab.api.runner import load_run_config, open_session
 from distflow_lab.api.session import Session
+from distflow_lab.core.errors import ConfigError
 from distflow_lab.experiments.bench.common import memcpy_gbps, print_table, write_json
 from distflow_lab.experiments.synthetic import synthetic_grpo
 from distflow_lab.runtime.cluster import connect
@@ -41,6 +46,8 @@ SCHEDULES: list[tuple[str, dict]] = [
     ("async", {"max_staleness": 2, "partial_rollout": False}),
     ("async", {"max_staleness": 2, "partial_rollout": True}),
     ("async", {"max_staleness": 4, "partial_rollout": True}),
+    ("async", {"max_staleness": 1, "partial_rollout": True}),
+    ("async", {"max_staleness": 4, "partial_rollout": False}),
 ]
 GEN, TRAIN = ["data", "rollout", "reward", "advantage"], ["old_log_prob", "ref_log_prob", "actor_update"]
 
@@ -137,7 +144,7 @@ def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator
     `overrides` change the real engines' preset (e.g. a shorter warm start)."""
     schedules = schedules or SCHEDULES
     if schedules[0][0] != "sync":
-        raise ValueError(f"the first schedule must be 'sync' (the baseline), got {schedules[0][0]!r}")
+        raise ConfigError(f"the first schedule must be 'sync' (the baseline), got {schedules[0][0]!r}")
     if unknown := [e for e in engines if e not in ENGINES]:
         raise ValueError(f"unknown engine {unknown[0]!r}; engines: {ENGINES}")
     connect()
@@ -169,8 +176,6 @@ def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator
 def _schedules(s: Session, engine: str, mode: str, schedules: list[tuple[str, dict]], steps: int, warmup: int,
                decode_us: float) -> list[dict]:
     records, base, ideal, parts, tail = [], None, None, {}, float("nan")
-    if engine == "vllm":  # whole responses only (config.check_partial_rollout)
-        schedules = [(k, o) for k, o in schedules if not o.get("partial_rollout")]
     for kind, opts in tqdm(schedules, desc=f"schedules ({engine}, {mode})"):
         s.reopen(schedule=kind, **opts)
         r = measure(s, steps, warmup)
