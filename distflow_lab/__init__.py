@@ -35,7 +35,10 @@ _EXPORTS = {
     "DatasetError": "distflow_lab.core.errors", "StageError": "distflow_lab.core.errors",
     "WorkerLost": "distflow_lab.core.errors", "StageTimeout": "distflow_lab.core.errors",
     "BufferLost": "distflow_lab.core.errors", "CoordinatorLost": "distflow_lab.core.errors",
-    "StageContractError": "distflow_lab.core.errors",
+    "StageContractError": "distflow_lab.core.errors", "EnvError": "distflow_lab.core.errors",
+    "register_env": "distflow_lab.models.environment", "EnvStep": "distflow_lab.models.environment",
+    "EnvOptions": "distflow_lab.models.environment", "Latency": "distflow_lab.models.environment",
+    "EnvPool": "distflow_lab.models.environment_pool",
     "replay": "distflow_lab.experiments.replay", "replay_accuracy": "distflow_lab.experiments.replay",
     "schedule_replay_accuracy": "distflow_lab.experiments.schedule_replay",
 }

@@ -34,7 +34,7 @@ class FakeActor:
     def __init__(self):
         self.calls = []
 
-    def train_step(self, mini, loss_fn, agg, with_entropy=False):
+    def train_step(self, mini, loss_fn, agg, with_entropy=False, mask_key="response_mask"):
         lp = mini["old_log_probs"] + 0.1
         loss, mask, metrics = loss_fn(mini, lp, torch.ones_like(lp) if with_entropy else None)
         self.calls.append((set(mini), agg, loss))

@@ -82,7 +82,7 @@ def test_gspo_token_form_equals_sequence_objective():
 class FakeActor:
     """Records what an actor_update hands to TrainEngine.train_step."""
 
-    def train_step(self, mini, loss_fn, agg, with_entropy=False):
+    def train_step(self, mini, loss_fn, agg, with_entropy=False, mask_key="response_mask"):
         self.mini, self.loss_fn, self.agg = mini, loss_fn, agg
         return {"loss": 0.0}
 

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from distflow_lab.algos.losses import gspo_token_loss, kl_penalty, masked_mean, off_policy_weights, ppo_token_loss
+from distflow_lab.algos.losses import (gspo_token_loss, kl_penalty, loss_mask_key, masked_mean, off_policy_weights,
+                                      ppo_token_loss)
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ActorOptions
 from distflow_lab.runtime.context import StageContext
@@ -58,7 +59,7 @@ def actor_loss(a: ActorOptions, policy_loss: PolicyLoss):
     -> (loss [B, T], mask, metrics)`, composed as in the module docstring."""
 
     def loss_fn(mb: dict, log_probs: torch.Tensor, entropy: torch.Tensor | None):
-        mask = mb["response_mask"]
+        mask = mb[loss_mask_key(mb)]
         loss, metrics = policy_loss(mb["old_log_probs"], log_probs, mb["advantages"], mask, a)
         if a.off_policy != "none":  # samples from an older policy: weigh by pi_prox / pi_behaviour
             w, more = off_policy_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.off_policy, a.is_cap,
@@ -79,9 +80,10 @@ def update_actor(batch: Batch, ctx: StageContext, policy_loss: PolicyLoss, actor
     """The actor-update stage body: `actor.mini_batches` optimizer steps over the batch, then a
     new policy version. `actor` overrides the run's actor options (DAPO's switches)."""
     a, e = actor or ctx.config.actor, ctx.engines
-    cols = {k: batch[k] for k in needed_columns(a)}
+    key = loss_mask_key(batch)  # multi-turn: the environment's tokens carry no loss
+    cols = {k: batch[k] for k in {*needed_columns(a), key}}
     per_step = [e.actor.train_step(mini, actor_loss(a, policy_loss), a.loss_agg_mode,
-                                   with_entropy=a.entropy_coeff > 0)
+                                   with_entropy=a.entropy_coeff > 0, mask_key=key)
                 for mini in mini_batches(cols, a.mini_batches)]
     e.policy.updated()
     ctx.log(**{f"actor/{k}": v for k, v in over_steps(per_step).items()})

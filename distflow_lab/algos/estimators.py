@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from distflow_lab.algos.losses import loss_mask_key
+
 if TYPE_CHECKING:
     from distflow_lab.core.batch import Batch
     from distflow_lab.core.config import AlgorithmOptions
@@ -254,7 +256,7 @@ def token_rewards(batch: "Batch") -> torch.Tensor:
     KL in the reward), else the outcome score on each response's last token."""
     if "token_rewards" in batch:
         return batch["token_rewards"]
-    return outcome_to_token_rewards(batch["scores"], batch["response_mask"])
+    return outcome_to_token_rewards(batch["scores"], batch[loss_mask_key(batch)])
 
 
 def outcome_scores(batch: "Batch") -> torch.Tensor:
@@ -270,11 +272,11 @@ def outcome_scores(batch: "Batch") -> torch.Tensor:
 # an algorithm lists the estimators it supports in `algos.registry`. Group-relative ones
 # ignore the dp group (a prompt's responses share a rank); whitening ones all-reduce over it.
 ESTIMATORS: dict[str, Estimator] = {
-    "grpo": lambda b, alg, group: grpo_outcome_advantage(outcome_scores(b), b["response_mask"], b["uid"]),
-    "dr_grpo": lambda b, alg, group: dr_grpo_outcome_advantage(outcome_scores(b), b["response_mask"], b["uid"]),
-    "rloo": lambda b, alg, group: rloo_advantage(outcome_scores(b), b["response_mask"], b["uid"]),
-    "reinforce_plus_plus": lambda b, alg, group: reinforce_plus_plus_advantage(token_rewards(b), b["response_mask"],
+    "grpo": lambda b, alg, group: grpo_outcome_advantage(outcome_scores(b), b[loss_mask_key(b)], b["uid"]),
+    "dr_grpo": lambda b, alg, group: dr_grpo_outcome_advantage(outcome_scores(b), b[loss_mask_key(b)], b["uid"]),
+    "rloo": lambda b, alg, group: rloo_advantage(outcome_scores(b), b[loss_mask_key(b)], b["uid"]),
+    "reinforce_plus_plus": lambda b, alg, group: reinforce_plus_plus_advantage(token_rewards(b), b[loss_mask_key(b)],
                                                                                alg.gamma, group),
-    "gae": lambda b, alg, group: gae_advantage(token_rewards(b), b["values"], b["response_mask"], alg.gamma, alg.lam,
-                                               group=group),
+    "gae": lambda b, alg, group: gae_advantage(token_rewards(b), b["values"], b[loss_mask_key(b)], alg.gamma,
+                                               alg.lam, group=group),
 }

@@ -21,7 +21,7 @@ import torch
 from distflow_lab.algos.actor_update import MODEL_INPUTS, ppo_policy, update_actor
 from distflow_lab.algos.engine_setup import sync_weights
 from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards
-from distflow_lab.algos.losses import apply_kl_in_reward, kl_penalty, masked_mean
+from distflow_lab.algos.losses import apply_kl_in_reward, kl_penalty, loss_mask_key, masked_mean
 from distflow_lab.algos.streaming import partial_rollouts, stream_rollout
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import DataSpec, RunConfig
@@ -114,7 +114,7 @@ def estimate(batch: Batch, ctx: StageContext, default: str) -> Batch:
     kl_coef x KL(old || ref) per token with algorithm.use_kl_in_reward (every estimator)."""
     alg = ctx.config.algorithm
     if alg.use_kl_in_reward:
-        mask = batch["response_mask"]
+        mask = batch[loss_mask_key(batch)]
         rewards, kl = apply_kl_in_reward(outcome_to_token_rewards(batch["scores"], mask), batch["old_log_probs"],
                                          batch["ref_log_probs"], mask, alg.kl_coef, alg.kl_penalty)
         ctx.log(**{"reward/kl_penalty": kl})
@@ -126,7 +126,7 @@ def estimate(batch: Batch, ctx: StageContext, default: str) -> Batch:
 # ---- 4-5. log-probs of the sampled tokens under the current and reference policies -----
 def old_log_prob(batch: Batch, ctx: StageContext) -> Batch:
     log_probs, entropy = ctx.engines.actor.forward_log_probs(*(batch[k] for k in MODEL_INPUTS), with_entropy=True)
-    mask = batch["response_mask"]
+    mask = batch[loss_mask_key(batch)]  # the model's tokens (multi-turn: not the environment's)
     ctx.log(**{"actor/entropy": masked_mean(entropy, mask).item()})
     if "rollout_log_probs" in batch:  # the rollout engine's log-probs of the same tokens, against the trainer's
         ctx.log(**mismatch(batch["rollout_log_probs"], log_probs, mask))

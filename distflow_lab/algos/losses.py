@@ -1,6 +1,8 @@
 """Policy, value, KL and entropy losses for RL post-training (PPO-style clipped objectives, GSPO).
 
 Token tensors are [B, T] over response tokens with `response_mask` [B, T] (1 = real token).
+In a multi-turn batch the environment's tokens sit in the response too: `loss_mask` (1 on the
+model's own tokens only) is then the mask every loss, estimator and metric uses (`loss_mask_key`).
 Loss functions return a scalar tensor (differentiable) and plain-python-float metrics.
 """
 from __future__ import annotations
@@ -11,6 +13,12 @@ import torch.nn.functional as F
 from distflow_lab.models.token_ops import (LOSS_AGG_MODES, aggregate_loss, entropy_from_logits,  # noqa: F401
                                            log_probs_from_logits, masked_mean)
 
+
+
+def loss_mask_key(columns) -> str:
+    """The column whose 1s carry loss: `loss_mask` when the batch has one (multi-turn: the model's
+    tokens, not the environment's observations), else `response_mask`."""
+    return "loss_mask" if "loss_mask" in columns else "response_mask"
 
 def clipped_surrogate(
     ratio: torch.Tensor,

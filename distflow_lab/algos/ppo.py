@@ -16,7 +16,7 @@ import torch
 
 from distflow_lab.algos.actor_update import MODEL_INPUTS, mini_batches, over_steps
 from distflow_lab.algos.grpo import CONTRACTS, estimate
-from distflow_lab.algos.losses import value_loss_token
+from distflow_lab.algos.losses import loss_mask_key, value_loss_token
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import DataSpec, RunConfig
 from distflow_lab.datasets.loader import load_batch
@@ -49,7 +49,7 @@ def critic_loss(cfg: RunConfig):
     c = cfg.critic.cliprange_value
 
     def loss_fn(mb: dict, _: Any, values: torch.Tensor):
-        mask = mb["response_mask"]
+        mask = mb[loss_mask_key(mb)]
         loss, metrics = value_loss_token(values, mb["values"], mb["returns"], mask, c)
         return loss, mask, metrics
 
@@ -58,8 +58,9 @@ def critic_loss(cfg: RunConfig):
 
 def critic_update(batch: Batch, ctx: StageContext) -> Batch:
     cfg, critic = ctx.config, ctx.engines.critic
-    cols = {k: batch[k] for k in (*MODEL_INPUTS, "response_mask", "values", "returns")}
-    per_step = [critic.train_step(mini, critic_loss(cfg), cfg.actor.loss_agg_mode)
+    key = loss_mask_key(batch)
+    cols = {k: batch[k] for k in {*MODEL_INPUTS, "response_mask", key, "values", "returns"}}
+    per_step = [critic.train_step(mini, critic_loss(cfg), cfg.actor.loss_agg_mode, mask_key=key)
                 for mini in mini_batches(cols, cfg.actor.mini_batches)]
     ctx.log(**{f"critic/{k}": v for k, v in over_steps(per_step).items()})
     return batch

@@ -99,3 +99,20 @@ class PlacementError(FriendlyError, RuntimeError):
 
 class CheckpointError(FriendlyError, ValueError):
     """A checkpoint that is missing, incomplete, corrupt or from another configuration."""
+
+
+class EnvError(FriendlyError, RuntimeError):
+    """An environment of a multi-turn rollout raised, timed out, or answered malformed data.
+    Names the environment, the turn and, where known, the trajectory (its prompt's row)."""
+
+    def __init__(self, message: str, *, env: str, turn: int, trajectory: str | None = None) -> None:
+        where = f"environment {env!r}, turn {turn}" + (f", trajectory {trajectory}" if trajectory else "")
+        super().__init__(f"{where}: {message}")
+        self.env, self.turn, self.trajectory, self.reason = env, turn, trajectory, message
+
+    def __reduce__(self):  # keyword-only fields: rebuild explicitly when crossing processes
+        return (_rebuild_env_error, (type(self), self.reason, self.env, self.turn, self.trajectory))
+
+
+def _rebuild_env_error(cls, reason, env, turn, trajectory):
+    return cls(reason, env=env, turn=turn, trajectory=trajectory)
