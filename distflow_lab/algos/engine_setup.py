@@ -76,6 +76,7 @@ class RLEngines:
     rollout: RolloutEngine | None = None
     weights: PolicyWeights | None = None  # worker groups: this worker's half of the weight sync
     stream: Any = None  # partial rollouts: the streaming decoder around the rollout's module (algos/streaming.py)
+    multi_turn: Any = None  # multi-turn rollouts: the trajectories' engine and its environment pool (algos/multiturn.py)
 
     def checkpointed(self) -> dict[str, Checkpointable]:
         """The trained engines and the version they are at (the rollout and reference are rebuilt)."""
@@ -92,6 +93,9 @@ class RLEngines:
 
     def close(self) -> None:
         self.stream = None  # its sequences in flight die with the session
+        if self.multi_turn is not None:
+            self.multi_turn.pool.shutdown()
+            self.multi_turn = None
         if self.rollout is not None:
             self.rollout.close()
 

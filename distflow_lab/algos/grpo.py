@@ -22,6 +22,7 @@ from distflow_lab.algos.actor_update import MODEL_INPUTS, ppo_policy, update_act
 from distflow_lab.algos.engine_setup import sync_weights
 from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards
 from distflow_lab.algos.losses import apply_kl_in_reward, kl_penalty, loss_mask_key, masked_mean
+from distflow_lab.algos.multiturn import env_scores, multi_turn_rollout
 from distflow_lab.algos.streaming import partial_rollouts, stream_rollout
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import DataSpec, RunConfig
@@ -78,6 +79,8 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
     sync_weights(ctx)  # the actor changed last step: push its weights (a span of its own)
     if partial_rollouts(ctx):  # async with partial rollouts: sequences decode on across updates (streaming.py)
         return stream_rollout(batch, ctx)
+    if cfg.rollout.multi_turn is not None:  # turns interleaved with an environment (multiturn.py)
+        return multi_turn_rollout(batch, ctx)
     prompt_ids, prompt_mask, truncated = tokenize_prompts(e.tokenizer, list(batch["prompt"]), cfg.data.max_prompt_len)
     cols = e.rollout.generate(prompt_ids, prompt_mask, seed=ctx.seed)
     n = cfg.rollout.n
@@ -96,6 +99,10 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
 # ---- 2. reward: a rule per data source (or any function in the config) -----------------
 def reward(batch: Batch, ctx: StageContext) -> Batch:
     e = ctx.engines
+    if "env_reward" in batch:  # multi-turn: the environment scored each trajectory
+        scores = env_scores(batch)
+        ctx.log(**{"reward/mean": scores.mean().item()})
+        return batch.with_columns(scores=scores)
     texts = decode_responses(e.tokenizer, batch["responses"], batch["response_mask"])
     scores = torch.tensor([e.reward_fn(src, text, truth) for src, text, truth in
                            zip(batch["data_source"], texts, batch["ground_truth"])], dtype=torch.float32)

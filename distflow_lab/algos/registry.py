@@ -75,6 +75,10 @@ def check_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.dapo.{field}: DAPO's switches have no meaning for algorithm {name!r}")
     if ALGORITHMS[name].check is not None:
         ALGORITHMS[name].check(cfg)
+    if cfg.rollout.multi_turn is not None:
+        from distflow_lab.algos.multiturn import check_multi_turn  # torch and Ray: only when asked for
+
+        check_multi_turn(cfg)
 
 
 def with_defaults(cfg: RunConfig) -> RunConfig:

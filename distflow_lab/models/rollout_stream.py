@@ -102,6 +102,7 @@ class _Group:
     prompt_ids: torch.Tensor  # [P] left-padded, as given
     prompt_mask: torch.Tensor  # [P]
     seqs: list["_Seq"] = field(default_factory=list)
+    budget: int | None = None  # most tokens per sequence (None: max_response_len)
 
     @property
     def prompt(self) -> torch.Tensor:
@@ -134,12 +135,15 @@ class SequenceBook:
         self.waiting: deque[_Seq] = deque()
         self.ready: list[_Group] = []
 
-    def add(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metas: Sequence[Any]) -> None:
-        """Queue prompts (left-padded [B, P]), n sequences each; `metas[i]` comes back with prompt i's rows."""
+    def add(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metas: Sequence[Any],
+            budgets: Sequence[int] | None = None) -> None:
+        """Queue prompts (left-padded [B, P]), n sequences each; `metas[i]` comes back with prompt i's rows;
+        `budgets[i]`: prompt i's most tokens per sequence (default max_response_len)."""
         if len(metas) != len(prompt_ids) or prompt_ids.shape != prompt_mask.shape:
             raise ValueError(f"add: {len(prompt_ids)} prompts, mask {tuple(prompt_mask.shape)}, {len(metas)} metas")
-        for ids, mask, meta in zip(prompt_ids.long().cpu(), prompt_mask.long().cpu(), metas):
-            g = _Group(meta, ids, mask)
+        budgets = list(budgets) if budgets is not None else [None] * len(metas)
+        for ids, mask, meta, budget in zip(prompt_ids.long().cpu(), prompt_mask.long().cpu(), metas, budgets):
+            g = _Group(meta, ids, mask, budget=budget)
             g.seqs = [_Seq(g) for _ in range(self.n)]
             self.waiting.extend(g.seqs)
 
@@ -187,7 +191,8 @@ class HFStreamingRollout:
     one instance per rollout worker, reused every step."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
-                 max_prompt_len: int, slots: int, refresh_every: int = 8, recompute_kv_on_update: bool = False):
+                 max_prompt_len: int, slots: int, refresh_every: int = 8, recompute_kv_on_update: bool = False,
+                 stop_ids: Sequence[int] = ()):
         if slots < 1 or refresh_every < 1:
             raise ValueError(f"HFStreamingRollout needs slots >= 1 and refresh_every >= 1; got slots={slots}, "
                              f"refresh_every={refresh_every}")
@@ -195,6 +200,7 @@ class HFStreamingRollout:
             raise ValueError("tokenizer needs both an eos and a pad token")
         self.model, self.cfg, self.max_prompt_len = model, opts, max_prompt_len
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.stops = {self.eos_id, *stop_ids}  # a sampled stop token ends the sequence (multi-turn: a turn)
         self.slots, self.refresh_every, self.recompute_kv_on_update = slots, refresh_every, recompute_kv_on_update
         self.warpers = _warpers(opts)
         self.version: int | None = None  # the weights' version as of the last call or refresh
@@ -212,9 +218,10 @@ class HFStreamingRollout:
         """Sequences admitted or waiting that a later call may return."""
         return len(self.book.waiting) + len(self.active)
 
-    def add(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metas: Sequence[Any]) -> None:
+    def add(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metas: Sequence[Any],
+            budgets: Sequence[int] | None = None) -> None:
         """Queue prompts (left-padded [B, P]), n sequences each; `metas[i]` comes back with prompt i's rows."""
-        self.book.add(prompt_ids, prompt_mask, metas)
+        self.book.add(prompt_ids, prompt_mask, metas, budgets)
 
     @torch.no_grad()
     def run(self, groups: int, version: int, seed: int, refresh: Callable[[], int] | None = None,
@@ -313,7 +320,7 @@ class HFStreamingRollout:
         R = self.cfg.max_response_len
         keep = []
         for i, s in enumerate(self.active):
-            if s.tokens[-1] == self.eos_id or len(s.tokens) >= R:
+            if s.tokens[-1] in self.stops or len(s.tokens) >= (s.group.budget or R):
                 self.book.finish(s)
             else:
                 keep.append(i)
@@ -375,8 +382,12 @@ def stream_batch(groups: list[_Group], counts: StreamCounts, max_response_len: i
         logps[i, :L], versions[i, :L] = torch.tensor(s.logps), torch.tensor(s.versions)
     response_mask = response_mask_from_eos(responses, eos_id, valid)
     responses = torch.where(response_mask.bool(), responses, pad_id)
-    prompts = torch.stack([s.group.prompt_ids for s in seqs]) if seqs else torch.zeros((0, max_prompt_len))
-    pmask = torch.stack([s.group.prompt_mask for s in seqs]) if seqs else torch.zeros((0, max_prompt_len))
+    P = max((len(s.group.prompt_ids) for s in seqs), default=max_prompt_len)  # groups may differ (multi-turn)
+    prompts = torch.full((B, P), pad_id, dtype=torch.long)
+    pmask = torch.zeros((B, P), dtype=torch.long)
+    for i, s in enumerate(seqs):  # left-padded to the widest
+        w = len(s.group.prompt_ids)
+        prompts[i, P - w:], pmask[i, P - w:] = s.group.prompt_ids, s.group.prompt_mask
     cols = assemble_columns(prompts, pmask, responses, response_mask)
     cols["rollout_log_probs"] = logps * response_mask
     cols["token_versions"] = versions * response_mask

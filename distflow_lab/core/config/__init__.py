@@ -22,7 +22,7 @@ from distflow_lab.core.config.loading import (PRESETS, apply_overrides, cache_ro
 from distflow_lab.core.config.nodes import Contract, DataSpec
 from distflow_lab.core.config.run import (GENERATED_DATA, SESSION_KEYS, ActorOptions, AlgorithmOptions, CriticOptions,
                                           DAPOOptions, DataOptions, KLKind, LongTailOptions, check_partial_rollout, LossAgg, ModelOptions, Optim, RewardOptions,
-                                          RolloutOptions, RunConfig, TinySpec, TrainerOptions, VLLMOptions, WarmStart,
+                                          MultiTurnOptions, RolloutOptions, RunConfig, TinySpec, TrainerOptions, VLLMOptions, WarmStart,
                                           run_session)
 from distflow_lab.core.config.session import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, Mode, ProfileOptions,
                                               ScheduleOptions, SessionConfig, Switches, check_groups, check_schedule,
@@ -37,7 +37,7 @@ __all__ = [
     # nodes
     "DataSpec", "Contract",
     # run
-    "TinySpec", "WarmStart", "ModelOptions", "DataOptions", "LongTailOptions", "GENERATED_DATA", "check_partial_rollout", "VLLMOptions", "RolloutOptions", "Optim", "LossAgg",
+    "TinySpec", "WarmStart", "ModelOptions", "DataOptions", "LongTailOptions", "GENERATED_DATA", "check_partial_rollout", "VLLMOptions", "MultiTurnOptions", "RolloutOptions", "Optim", "LossAgg",
     "KLKind", "ActorOptions", "CriticOptions", "DAPOOptions", "AlgorithmOptions", "RewardOptions",
     "TrainerOptions", "RunConfig", "SESSION_KEYS", "run_session",
     # loading

@@ -120,6 +120,23 @@ class VLLMOptions(Strict):
     """Weight sync gathers and loads at most this many MiB of parameters at a time (a larger single tensor goes alone)."""
 
 
+class MultiTurnOptions(Strict):
+    """Multi-turn rollouts: the model's turns interleaved with an environment (models/rollout_multiturn.py)."""
+
+    env: str
+    """A registered environment (calculator, guess_number, or one @register_env made)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The environment's own options (its Options class checks them)."""
+    max_turns: int = Field(default=4, ge=1)
+    """Model turns per trajectory at most."""
+    max_turn_tokens: int = Field(default=16, ge=1)
+    """Tokens per model turn at most (the trajectory's budget is rollout.max_response_len)."""
+    pool_size: int = Field(default=2, ge=1)
+    """Environment actors per rollout worker."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """An environment call slower than this is an EnvError."""
+
+
 class RolloutOptions(Strict):
     """Sampling settings, shared by the HF and vLLM rollout engines."""
 
@@ -147,6 +164,14 @@ class RolloutOptions(Strict):
     """Tensor-parallel size of the rollout layout (dp = world_size // tp); vLLM shards each engine over its tp consecutive workers."""
     vllm: VLLMOptions = Field(default_factory=VLLMOptions)
     """vLLM engine settings (memory, sleep mode, weight-sync buckets); unused by the hf engine."""
+    multi_turn: MultiTurnOptions | None = None
+    """Trajectories of model turns and environment answers (hf engine); None: one response per sample."""
+
+    @model_validator(mode="after")
+    def _multi_turn_on_hf(self) -> "RolloutOptions":
+        if self.multi_turn is not None and self.engine != "hf":
+            raise ValueError(f"rollout.multi_turn runs on rollout.engine=hf (got {self.engine}); vLLM is not built yet")
+        return self
 
     @model_validator(mode="after")
     def _greedy_single(self) -> "RolloutOptions":
@@ -404,6 +429,8 @@ class RunConfig(Strict):
             raise ConfigError("rollout.engine=vllm but vLLM is not installed: `bash scripts/setup.sh` installs its CPU "
                               "build on a CPU machine, pip install -e '.[gpu]' on a CUDA one; or use rollout.engine=hf")
         check_partial_rollout(s.schedule.partial_rollout, self.rollout.engine, self.rollout.tp)
+        if self.rollout.multi_turn is not None and s.schedule.partial_rollout:
+            raise ConfigError("rollout.multi_turn with schedule.partial_rollout is not built yet: set one of them off")
         if s.cluster.world_size > 1 and not s.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
         check_switches(s.mode, s.switches)
