@@ -75,6 +75,13 @@ BAD_INPUTS: tuple[BadInput, ...] = (
     BadInput("data-missing-column", ("run", "tiny-cpu-grpo", "data.train={dir}/nocolumn.parquet", "--out", "{dir}/o3"),
              "{dir}/nocolumn.parquet: missing required column(s) ['data_source', 'ability', 'reward_model', "
              "'extra_info']", "a parquet file without verl's columns"),
+    BadInput("env-unknown", ("run", "tiny-cpu-calculator", "rollout.multi_turn.env=calc", "--out", "{dir}/o4"),
+             "rollout.multi_turn: unknown environment 'calc'; registered: ['calculator', 'guess_number'] (or pass "
+             "the class)", "a multi-turn run naming no registered environment"),
+    BadInput("env-option", ("run", "tiny-cpu-calculator", "rollout.multi_turn.options={{max_call: 1}}", "--out",
+                            "{dir}/o5"),
+             "rollout.multi_turn: environment 'calculator': option 'max_call': unknown key (options: ['latency', "
+             "'max_calls', 'seed'])", "an environment option it does not have"),
     BadInput("bench-workers", ("bench", "dataplane", "--workers", "3"),
              "--workers 3 cannot share --batch 64: its 16 prompts (batch / n) do not split over 3 data-parallel "
              "rollout ranks; workers that fit this batch: [1, 2, 4, 8, 16, 32]", "a worker count the batch cannot split over"),
