@@ -20,18 +20,22 @@ def _spans(step: int = 0) -> pd.DataFrame:
         # w0: short generation, waits for w1's long one, then trains and syncs weights
         S("gen", 0, "compute", 1.0, 2.0), S("train", 0, "get", 4.5, 5.0), S("train", 0, "compute", 5.0, 7.0),
         S("train", 0, "weight_sync", 7.0, 7.5),
-        # w1: the straggler of both stages
-        S("gen", 1, "compute", 1.0, 4.0), S("train", 1, "get", 4.5, 5.0), S("train", 1, "compute", 5.0, 8.0),
+        # w1: the straggler of both stages; its multi-turn generation waits 1 s for its environments
+        S("gen", 1, "compute", 1.0, 4.0), S("gen", 1, "env_wait", 2.0, 3.0), S("train", 1, "get", 4.5, 5.0),
+        S("train", 1, "compute", 5.0, 8.0),
         # w2: a trainer only: idle while generation runs elsewhere, then gated by staleness
         S("train", 2, "get", 4.5, 5.0), S("train", 2, "compute", 5.0, 6.0), S("train", 2, "stale_wait", 6.0, 6.5),
     ])
 
 
-EXPECTED = {  # wall 10 s; the spans cover 1..8, so 3 s of control (driver round trips) for everyone
-    0: dict(compute=3.0, imbalance=2.5, rollout_tail=0.0, data_plane=1.0, control=3.0, weight_sync=0.5, staleness=0),
-    1: dict(compute=6.0, imbalance=0.0, rollout_tail=0.0, data_plane=1.0, control=3.0, weight_sync=0.0, staleness=0),
-    2: dict(compute=1.0, imbalance=1.5, rollout_tail=3.0, data_plane=1.0, control=3.0, weight_sync=0.0,
-            staleness=0.5),
+EXPECTED = {  # wall 10 s; the spans cover 1..8, so 3 s of control (driver round trips) for everyone;
+    # w1's environment wait (2..3) is the environment's for all three, not imbalance or the rollout tail
+    0: dict(compute=3.0, imbalance=1.5, rollout_tail=0.0, data_plane=1.0, control=3.0, weight_sync=0.5, staleness=0,
+            environment=1.0),
+    1: dict(compute=5.0, imbalance=0.0, rollout_tail=0.0, data_plane=1.0, control=3.0, weight_sync=0.0, staleness=0,
+            environment=1.0),
+    2: dict(compute=1.0, imbalance=1.5, rollout_tail=2.0, data_plane=1.0, control=3.0, weight_sync=0.0,
+            staleness=0.5, environment=1.0),
 }
 
 
@@ -48,7 +52,7 @@ def test_clock_skew_scales_and_a_missing_wall_uses_the_extent():
     t = bubble_table(both, TYPES, {0: 3.5})  # wall shorter than the 7 s span extent: everything halves
     s0, s1 = t[t.step == 0].set_index("worker"), t[t.step == 1].set_index("worker")
     assert s0[list(COLUMNS)].sum(axis=1).tolist() == pytest.approx([3.5] * 3)
-    assert s0.loc[1, "compute"] == pytest.approx(3.0) and s0.loc[0, "control"] == 0.0
+    assert s0.loc[1, "compute"] == pytest.approx(2.5) and s0.loc[0, "control"] == 0.0
     assert s1[list(COLUMNS)].sum(axis=1).tolist() == pytest.approx([7.0] * 3)  # step 1: no wall given
     assert bubble_table(_spans().iloc[:0], TYPES).empty
 

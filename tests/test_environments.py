@@ -22,6 +22,32 @@ def text(tok, tokens: list[int]) -> str:
     return tok.decode(tokens)
 
 
+# ---------------------------------------------------------------- tool-use demonstrations (the SFT warm start)
+def test_a_demonstration_trains_the_models_tokens_only(tok):
+    from distflow_lab.datasets.arithmetic import make_arithmetic_rows
+    from distflow_lab.models.environment import demonstrations
+    from distflow_lab.models.sequences import build_sft_batch
+
+    row = make_arithmetic_rows(1, 0, max_operand=99, ops=("*",))[0]
+    a, b = row["extra_info"]["question"].rstrip("=").split("*")
+    (demo,) = demonstrations("calculator", [row])
+    value = str(int(a) * int(b))
+    assert demo == [(f"[{a}*{b}]", True), (value + ";", False), (value, True)]
+    cols, _ = build_sft_batch(tok, [row["prompt"], row["prompt"]], [demo, value], 8, 24)
+    L = int(cols["response_mask"][0].sum())
+    assert tok.decode(cols["responses"][0, :L][cols["loss_mask"][0, :L] == 0]) == value + ";"  # the tool's answer
+    assert cols["loss_mask"][0, L - 1] == 1 and (cols["loss_mask"][1] == cols["response_mask"][1]).all()  # eos; direct
+    with pytest.raises(ConfigError, match="environment 'guess_number' has no demo"):
+        demonstrations("guess_number", [row])
+
+
+def test_tool_demos_need_a_multi_turn_run():
+    from distflow_lab.api.runner import load_run_config
+
+    with pytest.raises(ConfigError, match="model.warm_start.tool_demos .* needs rollout.multi_turn"):
+        load_run_config("tiny-cpu-grpo", ["model.warm_start.tool_demos=0.5"])
+
+
 # ---------------------------------------------------------------- the games, by hand (no Ray)
 @pytest.mark.parametrize("expr,want", [("4*5", 20), ("3+4*5", 23), ("(1+2)*3", 9), ("-2+1", -1), ("2*", None),
                                        ("__import__('os')", None), ("2**99", None), ("1/2", None), ("", None)])

@@ -4,6 +4,7 @@ model's tokens carry loss, every model token's log-prob is the policy's over the
 the trajectory had (prompt, observations, earlier turns), and slow tools overlap decoding."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -116,21 +117,124 @@ def test_budgets_bound_turns_and_trajectories(pool, tok):
 
 
 # ---------------------------------------------------------------- through a session
-def test_grpo_with_the_calculator_environment(ray_cluster, tmp_path):
-    """The preset end to end on a small batch: trajectories with tool turns reach the trainer with their
-    loss mask, the environment's reward is the score, and a bad environment name fails before work."""
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_grpo_learns_to_call_the_calculator(ray_cluster, tmp_path, engine):
+    """The preset end to end, on each engine: after a warm start that shows the tool half the time, GRPO
+    raises the reward by calling it more (two-digit products, which the model rarely gets right alone).
+    Trajectories reach the trainer with their loss mask, the environment's reward is the score, and a
+    bad environment name fails before any work."""
     from distflow_lab.api.runner import load_run_config, open_session
     from distflow_lab.core.errors import ConfigError
 
-    base = [f"model.path={tmp_path}/tiny-qwen2", f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out",
-            "model.warm_start.steps=20", "data.prompts_per_step=4", "rollout.n=4", "cluster.stage_timeout_s=120"]
+    if engine == "vllm":
+        pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
+    base = [f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out", f"rollout.engine={engine}",
+            "cluster.stage_timeout_s=300",  # the default model path: one cached warm start for both engines
+            "rollout.multi_turn.options={max_calls: 2, latency: {median_ms: 20}}"]
     with pytest.raises(ConfigError, match=r"rollout.multi_turn: unknown environment 'calc'"):
         load_run_config("tiny-cpu-calculator", base + ["rollout.multi_turn.env=calc"])
-    cfg = load_run_config("tiny-cpu-calculator", base)
-    with open_session(cfg, progress=False) as s:
-        m = [s.step().metrics for _ in range(2)]
+    with open_session(load_run_config("tiny-cpu-calculator", base), progress=False) as s:
+        m = [s.step().metrics for _ in range(12)]
         trainer = s.plan.stage("old_log_prob").ranks[0]
         b = s.controller.peek("old_log_prob", trainer, n=1 << 30, columns=["loss_mask", "response_mask", "scores"])
-    assert all(x["multi_turn/turns_mean"] >= 1 and "actor/loss" in x for x in m), m
-    assert (b["loss_mask"] <= b["response_mask"]).all() and b["loss_mask"].sum() > 0
+        t, bub, items = s.trajectories().table, s.bubbles().table, s.items()
+        path = s.lineage(t["uid"][0])
+    # the per-trajectory view, turns in the lineage, environment time a cause of its own
+    assert len(t) == 32 * 8 and (t["turns"] == t["tokens_per_turn"].map(len)).all(), t.head()
+    assert t["reward"].mean() == pytest.approx(m[-1]["reward/mean"]) and (t["env_s"][t["turns"] > 1] >= 0.02).all()
+    assert (t["gen_s"] > 0).all() and (path["turns"] >= 1).all() and len(path) >= 8
+    assert (items.loc[items["stage"] == "rollout", "turns"] >= 1).all()
+    assert bub["environment"].sum() > 0, bub.sum()
+    reward, turns = ([x[k] for x in m] for k in ("reward/mean", "multi_turn/turns_mean"))
+    print(engine, "reward", [round(r, 2) for r in reward], "turns", [round(t, 2) for t in turns])
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.08, reward
+    assert sum(turns[-3:]) / 3 > sum(turns[:3]) / 3, turns  # by calling the tool more
+    assert (b["loss_mask"] <= b["response_mask"]).all() and (b["loss_mask"] < b["response_mask"]).any()
     assert set(b["scores"].tolist()) <= {0.0, 1.0}
+
+
+GROUPS = "groups={rollout: 1, train: 1}"
+ALGOS = {"ppo": ["algorithm.name=ppo", "algorithm.adv_estimator=gae", "actor.use_kl_loss=false"],
+         "gspo": ["algorithm.name=gspo", "actor.loss_agg_mode=seq-mean-token-mean", "actor.use_kl_loss=false"],
+         "dapo": ["algorithm.name=dapo", "actor.use_kl_loss=false", "algorithm.dapo.max_rounds=2",
+                  "algorithm.dapo.oversample=1.0"]}
+# (algorithm, plane, schedule overrides): every schedule kind of worker groups, both planes that run them
+MT_CELLS = [("dapo", "distributed", []),  # colocated, sync
+            ("ppo", "coordinator", [GROUPS, "schedule.kind=one_step_off", "actor.off_policy=tis"]),
+            ("gspo", "distributed", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
+                                     "actor.off_policy=decoupled"]),
+            ("dapo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1"])]
+
+
+def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path):
+    """PPO, GSPO and DAPO (its later sampling rounds play new trajectories) colocated and on worker groups
+    under one_step_off and async, in both planes that run groups: the trained batch keeps its loss mask,
+    the schedule's staleness bound holds, and the rollout group follows the training group's versions."""
+    from distflow_lab.api.runner import load_run_config, open_session
+
+    base = [f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out", "data.prompts_per_step=4",
+            "rollout.n=4", "rollout.log_probs=true", "cluster.stage_timeout_s=120"]
+    for algo, plane, overrides in MT_CELLS:
+        cfg = load_run_config("tiny-cpu-calculator", base + ALGOS[algo] + overrides + [f"mode={plane}"])
+        where = f"{algo} / {plane} / {overrides[1:] or 'colocated'}"
+        with open_session(cfg, progress=False) as s:
+            m = [s.step().metrics for _ in range(3)]
+            b = s.controller.peek("old_log_prob", s.plan.stage("old_log_prob").ranks[0], n=1 << 30,
+                                  columns=["loss_mask", "response_mask"])
+        assert all("actor/loss" in x and x["multi_turn/turns_mean"] >= 1 for x in m), (where, m[-1])
+        assert (b["loss_mask"] <= b["response_mask"]).all() and (b["loss_mask"] < b["response_mask"]).any(), where
+        if algo == "ppo":
+            assert all("critic/loss" in x for x in m), where
+        if algo == "dapo":
+            assert max(x["dynamic_sampling/rounds"] for x in m) > 1, where  # new trajectories were played
+        if overrides:
+            k = 1
+            assert [x["schedule/policy_version"] for x in m] == [1.0, 2.0, 3.0], where
+            assert max(x["schedule/staleness"] for x in m) <= k and m[-1]["schedule/rollout_version"] >= 1, where
+
+
+# ---------------------------------------------------------------- on vLLM
+@pytest.fixture(scope="module")
+def vllm_engine(tmp_path_factory, tok):
+    """A fp32 vLLM engine on a tiny checkpoint with 32-token KV blocks (the prefix cache shares whole blocks;
+    CPU attention takes multiples of 32)."""
+    import torch.distributed as dist
+
+    pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")  # CI must have it
+    from distflow_lab.core.config import VLLMOptions
+    from distflow_lab.models.model_dir import save_model_dir
+    from distflow_lab.models.rollout_vllm import VLLMRollout
+
+    had_world = dist.is_initialized()
+    model = build_tiny_qwen2(tok, seed=0)
+    path = tmp_path_factory.mktemp("vllm-mt") / "m"
+    save_model_dir(model, tok, path)
+    opts = RolloutOptions(n=1, max_response_len=48, log_probs=True, engine="vllm", vllm=VLLMOptions(block_size=32))
+    engine = VLLMRollout(str(path), tok, opts, P, dtype="float32", seed=0, sleep_at_start=False)
+    yield model, engine
+    engine.close()
+    if dist.is_initialized() and not had_world:
+        dist.destroy_process_group()
+
+
+def test_on_vllm_turns_interleave_log_probs_are_the_policys_and_the_prefix_cache_is_reused(vllm_engine, pool, tok):
+    from distflow_lab.models.rollout_vllm_stream import VLLMStreamingRollout
+
+    model, engine = vllm_engine
+    stream = VLLMStreamingRollout(engine, P, slots=8, n=1, stop_ids=tok(";", add_special_tokens=False)["input_ids"])
+    mt = MultiTurnRollout(stream, pool(turns=3), max_turns=4, max_turn_tokens=12, max_response_len=48)
+    ids, mask, _ = tokenize_prompts(tok, PROMPTS, P)
+    cols = mt.generate(ids, mask, [{} for _ in PROMPTS], n=2, seed=0)
+    loss, resp = cols["loss_mask"].bool(), cols["response_mask"].bool()
+    assert cols["turns"].tolist() == [3] * 8 and cols["env_reward"].tolist() == [3.0] * 8
+    for i in range(8):
+        L = int(resp[i].sum())
+        assert tok.decode(cols["responses"][i, :L][~loss[i, :L]]) == "ab1;2;"
+        prompt = cols["input_ids"][i, :P][cols["attention_mask"][i, :P].bool()]
+        context = torch.cat([prompt, cols["responses"][i, :L]])
+        want = full_log_probs(model, context, torch.nonzero(loss[i, :L]).squeeze(1) + len(prompt))
+        assert torch.allclose(cols["rollout_log_probs"][i, :L][loss[i, :L]], want, atol=1e-4), i
+    # a third turn's context past 32 tokens starts with the second's: its first block comes from the cache
+    print(mt.stats)
+    assert mt.stats.cached_tokens >= 32 and mt.stats.cached_tokens < mt.stats.prompt_tokens, mt.stats
+    assert stream.in_flight == 0 and not engine.llm.llm_engine.has_unfinished_requests()

@@ -24,6 +24,7 @@ import torch
 
 from distflow_lab.algos.actor_update import ppo_policy, update_actor
 from distflow_lab.algos.grpo import CONTRACTS, fit_kl
+from distflow_lab.algos.multiturn import env_scores, multi_turn_again
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ActorOptions, DataSpec, RunConfig
 from distflow_lab.datasets.loader import load_batch
@@ -75,9 +76,12 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, facto
 def score(batch: Batch, ctx: StageContext) -> Batch:
     """acc: the task reward of each response; scores: acc plus the overlong penalty (if on)."""
     cfg, e = ctx.config, ctx.engines
-    texts = decode_responses(e.tokenizer, batch["responses"], batch["response_mask"])
-    acc = torch.tensor([e.reward_fn(src, text, truth) for src, text, truth in
-                        zip(batch["data_source"], texts, batch["ground_truth"])], dtype=torch.float32)
+    if "env_reward" in batch:  # multi-turn: the environment scored each trajectory
+        acc = env_scores(batch)
+    else:
+        texts = decode_responses(e.tokenizer, batch["responses"], batch["response_mask"])
+        acc = torch.tensor([e.reward_fn(src, text, truth) for src, text, truth in
+                            zip(batch["data_source"], texts, batch["ground_truth"])], dtype=torch.float32)
     d, R = cfg.algorithm.dapo, cfg.rollout.max_response_len
     penalty = torch.zeros_like(acc)
     if d.overlong_shaping:
@@ -164,13 +168,16 @@ def regenerate(batch: Batch, ctx: StageContext, seed: int) -> Batch:
     _, first = np.unique(np.asarray(batch["uid"]).astype(str), return_index=True)
     heads = batch.select(np.sort(first))
     P = heads["input_ids"].shape[1] - heads["responses"].shape[1]  # left-padded prompt width
-    cols = ctx.engines.rollout.generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], seed=seed)
+    if ctx.config.rollout.multi_turn is not None:  # trajectories with the environment again
+        cols = multi_turn_again(heads, ctx, seed)
+    else:
+        cols = ctx.engines.rollout.generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], seed=seed)
     objects = {k: np.repeat(v, ctx.config.rollout.n) for k, v in heads.objects.items()}
     version = ctx.engines.policy.version  # whole responses from the current policy
     if "version" in batch:  # the rows to concat with carry the generating policy's version
         cols["version"] = torch.full((len(cols["responses"]),), version, dtype=torch.int64)
     if "token_versions" in batch:  # ... and, from a streaming rollout, each token's
-        cols["token_versions"] = cols["response_mask"].long() * version
+        cols["token_versions"] = cols.get("loss_mask", cols["response_mask"]).long() * version  # 0: environment
     if "item_id" in batch:  # the new responses take the dropped rows' slots (same groups, n rows each)
         cols["item_id"] = batch["item_id"].clone()
     return score(Batch(cols, objects), ctx)

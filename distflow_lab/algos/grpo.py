@@ -15,7 +15,6 @@ it PPO's clipped token loss.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from distflow_lab.algos.actor_update import MODEL_INPUTS, ppo_policy, update_actor
@@ -23,6 +22,7 @@ from distflow_lab.algos.engine_setup import sync_weights
 from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards
 from distflow_lab.algos.losses import apply_kl_in_reward, kl_penalty, loss_mask_key, masked_mean
 from distflow_lab.algos.multiturn import env_scores, multi_turn_rollout
+from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
 from distflow_lab.algos.streaming import partial_rollouts, stream_rollout
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import DataSpec, RunConfig
@@ -83,11 +83,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
         return multi_turn_rollout(batch, ctx)
     prompt_ids, prompt_mask, truncated = tokenize_prompts(e.tokenizer, list(batch["prompt"]), cfg.data.max_prompt_len)
     cols = e.rollout.generate(prompt_ids, prompt_mask, seed=ctx.seed)
-    n = cfg.rollout.n
-    per_prompt = {"uid": [str(i) for i in batch["row_id"].tolist()],
-                  "ground_truth": [rm["ground_truth"] for rm in batch["reward_model"]],
-                  "data_source": list(batch["data_source"])}
-    objects = {k: np.repeat(np.asarray(v, dtype=object), n) for k, v in per_prompt.items()}
+    objects = response_objects(prompt_infos(batch), cfg.rollout.n)
     cols["version"] = torch.full((len(cols["responses"]),), e.policy.version, dtype=torch.int64)
     lengths = cols["response_mask"].sum(1).float()
     ctx.log(**{"rollout/prompts_truncated": truncated, "response_length/mean": lengths.mean().item(),

@@ -8,9 +8,9 @@ and `env_reward`, which the reward stage takes as the score.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import RunConfig
 from distflow_lab.core.errors import ConfigError
@@ -18,6 +18,8 @@ from distflow_lab.models.environment import env_class, parse_options
 from distflow_lab.models.environment_pool import EnvPool
 from distflow_lab.models.rollout_multiturn import MultiTurnRollout
 from distflow_lab.models.rollout_stream import HFStreamingRollout
+from distflow_lab.models.rollout_vllm import VLLMRollout
+from distflow_lab.models.rollout_vllm_stream import VLLMStreamingRollout
 from distflow_lab.models.sequences import tokenize_prompts
 from distflow_lab.runtime.context import StageContext
 
@@ -33,9 +35,6 @@ def check_multi_turn(cfg: RunConfig) -> None:
         parse_options(mt.env, mt.options)  # names the environment and the key
     except ConfigError as e:
         raise ConfigError(f"rollout.multi_turn: {e}") from None
-    if cfg.algorithm.name == "dapo":
-        raise ConfigError("rollout.multi_turn: DAPO's dynamic sampling generates again with single-turn rollouts; "
-                          "multi-turn DAPO is not built yet (use grpo, gspo or ppo)")
     if mt.max_turn_tokens > cfg.rollout.max_response_len:
         raise ConfigError(f"rollout.multi_turn.max_turn_tokens={mt.max_turn_tokens} is more than the trajectory's "
                           f"budget rollout.max_response_len={cfg.rollout.max_response_len}")
@@ -49,35 +48,57 @@ def multi_turn_rollout(batch: Batch, ctx: StageContext) -> Batch:
     rows = [{"prompt": p, "reward_model": rm, "data_source": src}
             for p, rm, src in zip(batch["prompt"], batch["reward_model"], batch["data_source"])]
     cols = mt.generate(ids, mask, rows, n=cfg.rollout.n, seed=ctx.seed, version=e.policy.version)
-    n = cfg.rollout.n
-    per_prompt = {"uid": [str(i) for i in batch["row_id"].tolist()],
-                  "ground_truth": [rm["ground_truth"] for rm in batch["reward_model"]],
-                  "data_source": list(batch["data_source"])}
-    objects = {k: np.repeat(np.asarray(v, dtype=object), n) for k, v in per_prompt.items()}
+    objects = response_objects(prompt_infos(batch), cfg.rollout.n)
+    objects["prompt"] = [p for p in batch["prompt"] for _ in range(cfg.rollout.n)]  # DAPO's later rounds reset from it
+    log_turns(cols, mt, ctx, truncated)
+    return Batch(cols, objects)
+
+
+def multi_turn_again(heads: Batch, ctx: StageContext, seed: int) -> dict[str, torch.Tensor]:
+    """n new trajectories for each row's prompt (DAPO's later rounds): the rows of a multi-turn batch
+    carry their prompt, the environment's reset reads it with the ground truth and data source."""
+    mt, P = engine_of(ctx), heads["input_ids"].shape[1] - heads["responses"].shape[1]
+    rows = [{"prompt": p, "reward_model": {"ground_truth": gt}, "data_source": src}
+            for p, gt, src in zip(heads["prompt"], heads["ground_truth"], heads["data_source"])]
+    cols = mt.generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], rows, n=ctx.config.rollout.n,
+                       seed=seed, version=ctx.engines.policy.version)
+    log_turns(cols, mt, ctx, 0)
+    return cols
+
+
+def log_turns(cols: dict[str, torch.Tensor], mt: MultiTurnRollout, ctx: StageContext, truncated: int) -> None:
+    """Metrics and counts of one generate call, and its waits for the environments as `env_wait` spans."""
     s, model = mt.stats, cols["loss_mask"].sum(1).float()
+    for start, end in s.waits:
+        ctx.record("env_wait", start, end)
     ctx.log(**{"rollout/prompts_truncated": truncated, "multi_turn/turns_mean": cols["turns"].float().mean().item(),
                "multi_turn/model_tokens_mean": model.mean().item(),
                "multi_turn/env_tokens_mean": (cols["response_mask"].sum(1).float() - model).mean().item(),
-               "multi_turn/env_s": s.env_s, "multi_turn/done_by_env": s.done_by_env / max(1, s.trajectories),
+               "multi_turn/env_s": s.env_s, "multi_turn/env_wait_s": sum(b - a for a, b in s.waits),
+               "multi_turn/done_by_env": s.done_by_env / max(1, s.trajectories),
+               **({"multi_turn/prefix_cache_hit": s.cached_tokens / s.prompt_tokens} if s.prompt_tokens else {}),
                "response_length/mean": cols["response_mask"].sum(1).float().mean().item()})
     ctx.count(**{k: v for k, v in {"multi_turn/env_calls": s.env_calls,
                                    "multi_turn/truncated_tokens": s.truncated_tokens}.items() if v})
-    return Batch(cols, objects)
 
 
 def engine_of(ctx: StageContext) -> MultiTurnRollout:
     cfg, e = ctx.config, ctx.engines
     if e.multi_turn is None:
         mt, model = cfg.rollout.multi_turn, getattr(e.rollout, "model", None)
-        if model is None:
-            raise TypeError(f"multi-turn rollouts need the hf rollout's module; {type(e.rollout).__name__} has none")
         stops = [t for s in getattr(env_class(mt.env), "stop_strings", ())
                  for t in e.tokenizer(s, add_special_tokens=False)["input_ids"]]
+        context = cfg.data.max_prompt_len + cfg.rollout.max_response_len  # a turn's prompt: everything so far
+        slots = min(cfg.rollout.micro_batch, cfg.data.prompts_per_step * cfg.rollout.n)
+        if isinstance(e.rollout, VLLMRollout):
+            stream = VLLMStreamingRollout(e.rollout, context, slots, POLL_EVERY, n=1, stop_ids=stops)
+        elif model is not None:
+            stream = HFStreamingRollout(model, e.tokenizer, cfg.rollout.model_copy(update={"n": 1}), context,
+                                        slots=slots, stop_ids=stops)
+        else:
+            raise TypeError(f"multi-turn rollouts need the hf rollout's module or a vLLM engine; "
+                            f"{type(e.rollout).__name__} has neither")
         pool = EnvPool(mt.env, e.tokenizer, mt.options, size=mt.pool_size, timeout_s=mt.timeout_s)
-        stream = HFStreamingRollout(model, e.tokenizer, cfg.rollout.model_copy(update={"n": 1}),
-                                    cfg.data.max_prompt_len + cfg.rollout.max_response_len,
-                                    slots=min(cfg.rollout.micro_batch, cfg.data.prompts_per_step * cfg.rollout.n),
-                                    stop_ids=stops)
         e.multi_turn = MultiTurnRollout(stream, pool, mt.max_turns, mt.max_turn_tokens, cfg.rollout.max_response_len,
                                         POLL_EVERY)
     return e.multi_turn

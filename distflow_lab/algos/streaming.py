@@ -6,17 +6,14 @@ One streamer per rollout engine (so per worker) lives across steps around the en
 own module or vLLM engine: the weights a pull loads are the weights it decodes with. A
 call admits this step's prompts, prefetches later ones from the loader until every slot
 has a sequence, and returns `len(batch)` whole prompts (n rows each), which may be
-prompts admitted by earlier calls: each sequence carries its prompt's `PromptInfo`.
+prompts admitted by earlier calls: each sequence carries its prompt's `PromptInfo` (prompt_rows.py).
 The policy is refreshed (`ctx.refresh_policy`) every REFRESH_EVERY decode iterations.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
-
+from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import check_partial_rollout
 from distflow_lab.models.rollout_stream import HFStreamingRollout, StaleRule
@@ -27,15 +24,6 @@ from distflow_lab.runtime.context import StageContext
 
 REFRESH_EVERY = 8  # decode iterations between policy pulls (a pull is one RPC when nothing is new)
 SLOTS_PER_ROW = 2  # sequences decoding at once per row a call returns: the long tail's slots are refilled
-
-
-@dataclass(frozen=True)
-class PromptInfo:
-    """What the later stages need of a prompt, kept with each of its sequences."""
-
-    uid: str
-    ground_truth: Any
-    data_source: str
 
 
 def partial_rollouts(ctx: StageContext) -> bool:
@@ -68,9 +56,7 @@ def stream_rollout(batch: Batch, ctx: StageContext) -> Batch:
                "rollout/len_max_over_median": (lengths.max() / lengths.median().clamp(min=1)).item() if rows else 0.0,
                "response_length/clip_frac": (lengths == cfg.rollout.max_response_len).float().mean().item()
                if rows else 0.0})
-    objects = {name: np.asarray([getattr(p, name) for p in out.prompts], dtype=object)
-               for name in ("uid", "ground_truth", "data_source")}
-    return Batch(cols, objects)
+    return Batch(cols, response_objects(out.prompts))  # one PromptInfo per row
 
 
 def stream_of(ctx: StageContext, rows: int) -> HFStreamingRollout | VLLMStreamingRollout:
@@ -94,7 +80,5 @@ def admit(stream: HFStreamingRollout, batch: Batch, ctx: StageContext) -> int:
     """Queue a loader batch's prompts; returns how many were truncated to max_prompt_len."""
     cfg = ctx.config
     ids, mask, truncated = tokenize_prompts(ctx.engines.tokenizer, list(batch["prompt"]), cfg.data.max_prompt_len)
-    infos = [PromptInfo(str(r), rm["ground_truth"], src)
-             for r, rm, src in zip(batch["row_id"].tolist(), batch["reward_model"], batch["data_source"])]
-    stream.add(ids, mask, infos)
+    stream.add(ids, mask, prompt_infos(batch))
     return truncated

@@ -46,10 +46,13 @@ def prepare_data(cfg: RunConfig) -> str:
     root = Path(cfg.data.cache_dir)
     if cfg.data.train == "arithmetic":
         seed = cfg.session.seed
-        path = root / f"arithmetic-{cfg.data.arithmetic_rows}-max{cfg.data.arithmetic_max_operand}-s{seed}.parquet"
+        d = cfg.data
+        ops = "" if d.arithmetic_ops == "+" else "-ops" + d.arithmetic_ops.replace("*", "x")  # old names stay valid
+        path = root / f"arithmetic-{d.arithmetic_rows}-max{d.arithmetic_max_operand}{ops}-s{seed}.parquet"
         if not path.exists():
             root.mkdir(parents=True, exist_ok=True)
-            write_arithmetic_parquet(path, cfg.data.arithmetic_rows, seed, max_operand=cfg.data.arithmetic_max_operand)
+            write_arithmetic_parquet(path, d.arithmetic_rows, seed, max_operand=d.arithmetic_max_operand,
+                                     ops=tuple(dict.fromkeys(d.arithmetic_ops)))
     elif cfg.data.train == "long_tail":
         lt = cfg.data.long_tail
         max_len = cfg.rollout.max_response_len - 1  # room for the eos

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
 import pandas as pd
+import torch
 
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, ConfigError, Mode,
@@ -318,6 +319,28 @@ class Session:
         lanes = self.controller.lanes
         first = self.plan.stages[lanes.train_stages[0]].id if lanes else self.plan.stages[-1].id
         return staleness_figure(self.items(), first, self.config.schedule.staleness)
+
+    def trajectories(self):
+        """Multi-turn rollouts: the latest step's trajectories on every rollout worker, one row each (turns,
+        the model's tokens per turn, the environment's tokens, seconds in generation and in the
+        environment, reward) and a figure (`observe.trajectories`)."""
+        from distflow_lab.observe.trajectories import NEEDS, trajectories
+
+        if "rollout" not in self.dag.ids:
+            raise ValueError("this DAG has no `rollout` stage")
+        st, parts = self.plan.stage("rollout"), []
+        for w in st.ranks:
+            if st.group_rank(w) == 0:
+                try:
+                    parts.append(self.controller.peek("rollout", w, n=1 << 30, columns=[*NEEDS, "uid", "item_id"]))
+                except KeyError:  # not run yet on this worker
+                    continue
+        if not parts:
+            raise KeyError(f"no multi-turn rollout output yet: run a step first (rollout.multi_turn writes {NEEDS})")
+        cols = {k: torch.cat([p[k] for p in parts]) for k in NEEDS}
+        uids = [u for p in parts for u in p["uid"]]
+        items = [int(i) for p in parts for i in p["item_id"]]
+        return trajectories(cols, uids, items, title=f"{self.mode}: trajectories of the latest rollout")
 
     def mismatch(self):
         """How far the rollout engine's log-probs are from the trainer's on the same tokens: per step

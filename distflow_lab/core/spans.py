@@ -18,12 +18,13 @@ import pandas as pd
 # Phases, in the order figures stack them. compute/put/get/cache_hit are the
 # distributed data path; split/dispatch/collect/concat the centralized one.
 PHASES = (
-    "compute", "weight_sync", "load", "cache_hit", "put", "get", "plan", "wait",
+    "compute", "weight_sync", "env_wait", "load", "cache_hit", "put", "get", "plan", "wait",
     "split", "dispatch", "collect", "concat", "other",
 )
 # Phases a stage function records inside its own compute span (ctx.span): breakdowns
-# subtract them from "compute" so nothing is counted twice.
-NESTED_PHASES = ("weight_sync",)
+# subtract them from "compute" so nothing is counted twice. env_wait: a multi-turn rollout
+# with no turn to decode, waiting for its environments' answers.
+NESTED_PHASES = ("weight_sync", "env_wait")
 DATA_PHASES = ("load", "cache_hit", "put", "get", "plan", "wait", "split", "dispatch", "collect", "concat")
 DRIVER = -1  # worker id of the driver's own spans
 

@@ -62,6 +62,18 @@ def ground_truth(row: Mapping[str, Any]) -> str:
     raise KeyError("the row has neither reward_model.ground_truth nor ground_truth")
 
 
+def question(row: Mapping[str, Any]) -> str:
+    """A row's question text: `extra_info.question`, else the prompt's (last message's) text."""
+    info, prompt = row.get("extra_info"), row.get("prompt")
+    if isinstance(info, Mapping) and info.get("question"):
+        return str(info["question"])
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[-1], Mapping):
+        return str(prompt[-1].get("content", ""))
+    raise KeyError("the row has neither extra_info.question nor a prompt")
+
+
 @register_env("calculator")
 class Calculator:
     class Options(EnvOptions):
@@ -75,6 +87,14 @@ class Calculator:
         self.tok, self.opts = tokenizer, options
         self.rng = random.Random(options.seed)
         self.answer, self.calls = "", 0
+
+    @staticmethod
+    def demo(row: Mapping[str, Any]) -> list[tuple[str, bool]]:
+        """A worked trajectory: the whole expression to the tool, its answer, the answer."""
+        expr = question(row).rstrip("=").strip()
+        value = calculate(expr)
+        return [(f"[{expr}]", True), (("?" if value is None else str(value)) + ";", False),
+                (ground_truth(row).strip(), True)]
 
     def reset(self, row: Mapping[str, Any]) -> list[int]:
         self.answer, self.calls = ground_truth(row).strip(), 0

@@ -68,6 +68,18 @@ class Environment(Protocol):
     def step(self, tokens: list[int]) -> EnvStep:
         """The model's turn (its token ids, the turn's stop token included)."""
 
+    # optional: `demo(row) -> [(text, by_model), ...]`, a worked trajectory for the SFT warm start
+    # (WarmStart.tool_demos); segments with by_model False are the environment's and carry no loss.
+
+
+def demonstrations(env: str | type, rows: list[Mapping[str, Any]]) -> list[list[tuple[str, bool]]]:
+    """The environment's worked trajectory for each row (see Environment's `demo`)."""
+    cls = env_class(env)
+    if not callable(getattr(cls, "demo", None)):
+        raise ConfigError(f"model.warm_start.tool_demos: environment {env_label(env)!r} has no demo(row) "
+                          "to learn from; set tool_demos: 0 or give the class a `demo` staticmethod")
+    return [list(cls.demo(row)) for row in rows]
+
 
 ENVIRONMENTS: dict[str, type] = {}
 BUILTIN = {"calculator": "distflow_lab.models.env_calculator",  # imported on first use by name

@@ -108,8 +108,9 @@ def padding_tokens(attention_mask: Tensor, prompt_len: int, plan: list[Tensor | 
 
 
 def sft_loss_fn(micro: dict[str, Tensor], log_probs: Tensor | None, _: Tensor | None) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Supervised next-token loss on response tokens: L = -log p(token), mask = response_mask."""
-    return -log_probs, micro["response_mask"], {}
+    """Supervised next-token loss on response tokens: L = -log p(token), mask = the model's tokens
+    (`loss_mask` for demonstrated trajectories, else response_mask)."""
+    return -log_probs, micro.get("loss_mask", micro["response_mask"]), {}
 
 
 def _chunk_stats(head: torch.nn.Module, temperature: float, with_entropy: bool, hidden: Tensor,

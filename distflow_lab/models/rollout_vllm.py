@@ -117,6 +117,8 @@ def engine_kwargs(opts: RolloutOptions, max_prompt_len: int, dtype: str, seed: i
     )
     if opts.tp > 1 and not cpu:  # one visible GPU per worker: the custom all-reduce asserts on peer access
         kw["disable_custom_all_reduce"] = True
+    if v.block_size is not None:
+        kw["block_size"] = v.block_size
     if v.kv_cache_gib is not None:
         kw["kv_cache_memory_bytes"] = int(v.kv_cache_gib * (1 << 30))
     elif cpu:

@@ -37,24 +37,33 @@ class VLLMStreamingRollout:
     """Continuous batching with partial rollouts on a `VLLMRollout`'s engine (see the module doc).
     One per rollout worker, reused every step; the rollout's `load_weights` preempts its requests."""
 
-    def __init__(self, rollout: VLLMRollout, max_prompt_len: int, slots: int, refresh_every: int = 8):
+    def __init__(self, rollout: VLLMRollout, max_prompt_len: int, slots: int, refresh_every: int = 8,
+                 n: int | None = None, stop_ids: Sequence[int] = ()):
         if slots < 1 or refresh_every < 1:
             raise ValueError(f"VLLMStreamingRollout needs slots >= 1 and refresh_every >= 1; got slots={slots}, "
                              f"refresh_every={refresh_every}")
-        self.rollout, self.cfg, self.max_prompt_len = rollout, rollout.cfg, max_prompt_len
+        self.rollout, self.max_prompt_len = rollout, max_prompt_len
+        self.cfg = rollout.cfg if n is None else rollout.cfg.model_copy(update={"n": n})  # multi-turn: n=1 per turn
         self.engine = rollout.llm.llm_engine
         self.slots, self.refresh_every = slots, refresh_every
+        self.stop_ids = [rollout.eos_id, *stop_ids]  # a sampled stop token ends the sequence (multi-turn: a turn)
         self.version: int | None = None
         self.book = SequenceBook(self.cfg.n, self._evict)
         self.running: dict[str, _Seq] = {}  # request id -> its sequence, in submission order
         self._submitted = 0  # request ids and seeds: one per submission, in order
+        self.prompt_tokens = self.cached_tokens = 0  # over every request: prefill work, and what the prefix cache held
 
     @property
     def in_flight(self) -> int:
         return len(self.book.waiting) + len(self.running)
 
-    def add(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metas: Sequence[Any]) -> None:
-        self.book.add(prompt_ids, prompt_mask, metas)
+    @property
+    def pad_id(self) -> int:
+        return self.rollout.pad_id
+
+    def add(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, metas: Sequence[Any],
+            budgets: Sequence[int] | None = None) -> None:
+        self.book.add(prompt_ids, prompt_mask, metas, budgets)
 
     @torch.no_grad()
     def run(self, groups: int, version: int, seed: int, refresh: Callable[[], int] | None = None,
@@ -84,8 +93,11 @@ class VLLMStreamingRollout:
             s = self.book.waiting.popleft()
             rid = f"stream-{self._submitted}"
             params = self.rollout.request_params(base + self._submitted % ROW_SEEDS, n=1, logprobs=0,
-                                                 output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(rid, {"prompt_token_ids": s.group.prompt.tolist()}, params)
+                                                 output_kind=RequestOutputKind.DELTA, stop_token_ids=self.stop_ids,
+                                                 max_tokens=s.group.budget or self.cfg.max_response_len)
+            prompt = s.group.prompt.tolist()
+            self.engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            self.prompt_tokens += len(prompt)
             self.running[rid] = s
             self._submitted += 1
 
@@ -95,6 +107,8 @@ class VLLMStreamingRollout:
         if s is None:  # aborted by ageing out this step
             return
         (c,) = out.outputs
+        if not s.tokens and out.num_cached_tokens:  # the first output: how much of the prompt the prefix cache had
+            self.cached_tokens += out.num_cached_tokens
         ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) < len(ids):
             raise RuntimeError(f"vLLM returned no log-prob for a token of request {out.request_id}: partial rollouts "

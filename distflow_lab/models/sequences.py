@@ -99,12 +99,15 @@ def decode_responses(tokenizer: PreTrainedTokenizerBase, responses: torch.Tensor
 def build_sft_batch(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Sequence[dict]] | Sequence[str],
-    targets: Sequence[str],
+    targets: Sequence[str | Sequence[tuple[str, bool]]],
     max_prompt_len: int,
     max_response_len: int,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Supervised batch in the rollout layout: target text + eos as the "response".
 
+    A target is a text, or a demonstrated trajectory: (text, by_model) segments, e.g. a tool
+    call, the tool's answer (by_model False) and the final answer. Then the batch carries a
+    `loss_mask` that is 1 on the model's segments and the eos only.
     Returns (columns, n_truncated) where n_truncated counts prompts cut to P plus
     targets cut to R (a cut target loses its eos). Train it with `fsdp.sft_loss_fn`.
     """
@@ -112,10 +115,19 @@ def build_sft_batch(
     R, eos, pad = max_response_len, tokenizer.eos_token_id, tokenizer.pad_token_id
     responses = torch.full((len(targets), R), pad, dtype=torch.long)
     response_mask = torch.zeros((len(targets), R), dtype=torch.long)
-    for i, text in enumerate(targets):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+    loss_mask = torch.zeros((len(targets), R), dtype=torch.long)
+    for i, target in enumerate(targets):
+        ids, loss = [], []
+        for text, by_model in ([(target, True)] if isinstance(target, str) else target):
+            seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids, loss = ids + seg, loss + [int(by_model)] * len(seg)
+        ids, loss = ids + [eos], loss + [1]
         if len(ids) > R:
-            ids, n_trunc = ids[:R], n_trunc + 1
+            ids, loss, n_trunc = ids[:R], loss[:R], n_trunc + 1
         responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         response_mask[i, : len(ids)] = 1
-    return assemble_columns(prompt_ids, prompt_mask, responses, response_mask), n_trunc
+        loss_mask[i, : len(ids)] = torch.tensor(loss, dtype=torch.long)
+    cols = assemble_columns(prompt_ids, prompt_mask, responses, response_mask)
+    if not all(isinstance(t, str) for t in targets):
+        cols["loss_mask"] = loss_mask
+    return cols, n_trunc

@@ -7,14 +7,18 @@ several of a worker's own spans overlap (a stage records `weight_sync` inside it
 compute span):
 
     weight_sync   its own `weight_sync` span (a weight broadcast / reload)
+    environment   its own `env_wait` span (a multi-turn rollout with no turn to decode,
+                  waiting for its environments' answers)
     staleness     its own `stale_wait` span (an async schedule's staleness gate)
     compute       its own `compute` span, minus the two above
     data_plane    its own data-plane span: put, get, plan, cache_hit, dispatch, collect,
                   split, concat, load (moving data, not waiting for it)
 
 Time with no own span, and time blocked in its own `wait` span (a consumer waiting
-for producers), is idle for a reason found in what the others do at that instant:
+for producers), is idle for a reason found in what the others do at that instant
+(first match):
 
+    environment   someone else's rollout waits for its environments
     imbalance     another worker computes the stage this worker just ran or is about to
                   run (a straggler in the same stage)
     rollout_tail  a `generate`-type stage computes elsewhere (the rollout long tail)
@@ -44,11 +48,12 @@ import plotly.graph_objects as go
 from distflow_lab.core.spans import DRIVER
 from distflow_lab.observe.style import empty_figure, worker_label
 
-CAUSES = ("imbalance", "rollout_tail", "data_plane", "control", "weight_sync", "staleness")
+CAUSES = ("imbalance", "rollout_tail", "data_plane", "control", "weight_sync", "staleness", "environment")
 COLUMNS = ("compute", *CAUSES)
 CAUSE_COLORS = {
     "compute": "#4C78A8", "imbalance": "#E45756", "rollout_tail": "#F58518", "data_plane": "#54A24B",
     "control": "#BAB0AC", "weight_sync": "#1B2A49", "staleness": "#B279A2",
+    "environment": "#9D755D",
 }
 CAUSE_DOCS = {
     "compute": "own compute span (nested weight_sync taken out)",
@@ -58,14 +63,16 @@ CAUSE_DOCS = {
     "control": "idle while nobody relevant is busy: driver round trips, stage calls, step start/end",
     "weight_sync": "own weight_sync span (or idle while another worker syncs weights)",
     "staleness": "own stale_wait span (async staleness gate), or idle while another worker waits there",
+    "environment": "own env_wait span (multi-turn: no turn to decode, tools running), or idle while another "
+                   "worker's rollout waits for its environments",
 }
 MOVING = ("put", "get", "plan", "cache_hit", "dispatch", "collect", "split", "concat", "load")
 # own-state codes, higher wins where a worker's own spans overlap
-_IDLE, _WAIT, _OTHER, _DATA, _COMPUTE, _STALE, _SYNC = range(7)
-_OWN_CODE = {"wait": _WAIT, "other": _OTHER, "compute": _COMPUTE, "stale_wait": _STALE, "weight_sync": _SYNC,
-             **{p: _DATA for p in MOVING}}
-_OWN_CAUSE = {_DATA: "data_plane", _COMPUTE: "compute", _STALE: "staleness", _SYNC: "weight_sync",
-              _OTHER: "control"}
+_IDLE, _WAIT, _OTHER, _DATA, _COMPUTE, _STALE, _ENV, _SYNC = range(8)
+_OWN_CODE = {"wait": _WAIT, "other": _OTHER, "compute": _COMPUTE, "stale_wait": _STALE, "env_wait": _ENV,
+             "weight_sync": _SYNC, **{p: _DATA for p in MOVING}}
+_OWN_CAUSE = {_DATA: "data_plane", _COMPUTE: "compute", _STALE: "staleness", _ENV: "environment",
+              _SYNC: "weight_sync", _OTHER: "control"}
 
 
 def _cover(bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -105,9 +112,11 @@ def _step_parts(df: pd.DataFrame, types: dict[str, str], wall: float | None) -> 
             generate |= c
     syncing = {w: cover((phase == "weight_sync") & (worker == w)) for w in workers}
     gated = {w: cover((phase == "stale_wait") & (worker == w)) for w in workers}
+    tooling = {w: cover((phase == "env_wait") & (worker == w)) for w in workers}
     moving = {w: cover(np.isin(phase, MOVING) & (worker == w)) for w in [*workers, DRIVER]}
     any_sync = np.logical_or.reduce(list(syncing.values()))
     any_gate = np.logical_or.reduce(list(gated.values()))
+    any_env = np.logical_or.reduce(list(tooling.values()))
     any_move = np.logical_or.reduce(list(moving.values()))
     mids = (bounds[:-1] + bounds[1:]) / 2
     rows = []
@@ -134,15 +143,16 @@ def _step_parts(df: pd.DataFrame, types: dict[str, str], wall: float | None) -> 
             same |= c & ((prev == st) | (nxt == st) | (cur == st))
         others_sync = any_sync & ~syncing[w]
         others_gate = any_gate & ~gated[w]
+        others_env = any_env & ~tooling[w]
         others_move = any_move & ~moving[w]
         idle = (own == _IDLE) | (own == _WAIT)
         cause = np.select(
-            [~idle, same, generate, others_sync, others_gate, others_move | (own == _WAIT)],
-            ["own", "imbalance", "rollout_tail", "weight_sync", "staleness", "data_plane"], "control")
+            [~idle, others_env, same, generate, others_sync, others_gate, others_move | (own == _WAIT)],
+            ["own", "environment", "imbalance", "rollout_tail", "weight_sync", "staleness", "data_plane"], "control")
         row = {c: 0.0 for c in COLUMNS}
         for code, name in _OWN_CAUSE.items():
             row[name] += float(dur[(own == code)].sum())
-        for name in ("imbalance", "rollout_tail", "weight_sync", "staleness", "data_plane", "control"):
+        for name in ("imbalance", "environment", "rollout_tail", "weight_sync", "staleness", "data_plane", "control"):
             row[name] += float(dur[idle & (cause == name)].sum())
         row = {k: v * scale for k, v in row.items()}
         row["control"] += extra

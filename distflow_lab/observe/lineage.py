@@ -1,6 +1,6 @@
 """One item's path through a run: at each stage, the worker and node that held it, how it
 arrived (local cache, DataBuffer, coordinator, driver, loader), the bytes it brought, its
-token length and policy version. DataFrames in, a DataFrame out:
+token length and policy version, and, for a multi-turn trajectory, its model turns. DataFrames in, a DataFrame out:
 
     lineage(s.items(), s.spans, {17}, worker_nodes)       # what `s.lineage(17)` shows
     lineage(items, spans, uid_item_ids(batches, "p3"))    # every response of prompt uid "p3"
@@ -48,4 +48,5 @@ def lineage(items: pd.DataFrame, spans: pd.DataFrame, item_ids: int | Iterable[i
                       hop=rows["route_in"].map(HOPS))
     moved = per_item.reindex(list(zip(out["step"], out["stage"], out["worker"])))
     out = out.assign(bytes=(moved["bytes"] / moved["items"].clip(lower=1)).fillna(0).astype(int).to_numpy())
-    return out.sort_values(["item_id", "step", "stage_index"])[COLUMNS].reset_index(drop=True)
+    cols = [*COLUMNS, "turns"] if "turns" in out and (out["turns"] >= 0).any() else COLUMNS  # multi-turn rows
+    return out.sort_values(["item_id", "step", "stage_index"])[cols].reset_index(drop=True)

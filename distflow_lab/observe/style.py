@@ -14,6 +14,7 @@ from distflow_lab.graph.drawing import EDGE_COLORS, ROLE_COLORS  # noqa: F401  (
 PHASE_COLORS: dict[str, str] = {
     "compute": "#4C78A8",
     "weight_sync": "#1B2A49",
+    "env_wait": "#9D755D",
     "load": "#8C564B",
     "cache_hit": "#54A24B",
     "put": "#F58518",

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from distflow_lab.core.config import ScheduleOptions
-from distflow_lab.core.spans import SpanRecorder
+from distflow_lab.core.spans import PHASES, Span, SpanRecorder
 from distflow_lab.runtime.engines import StageState
 
 if TYPE_CHECKING:
@@ -71,6 +71,15 @@ class StageContext:
         if self.recorder is None:
             return contextlib.nullcontext()
         return self.recorder.span(self.step, self.stage.id, phase, **counts)
+
+    def record(self, phase: str, start: float, end: float) -> None:
+        """A span of this stage that was timed apart (wall-clock `time.time()` seconds), e.g. a multi-turn
+        rollout's waits for its environments, collected as they happened and recorded after."""
+        if self.recorder is not None and end > start:
+            if phase not in PHASES:
+                raise ValueError(f"unknown phase {phase!r}; phases: {PHASES}")
+            self.recorder.add(Span(self.step, self.stage.id, self.recorder.worker, self.recorder.node, phase,
+                                   start, end, mode=self.recorder.mode))
 
     @property
     def rng(self) -> torch.Generator:

@@ -467,8 +467,8 @@ class Controller:
         return pd.DataFrame(self.metric_rows)
 
     def items(self) -> pd.DataFrame:
-        """One row per (step, stage, item) the driver kept: the item's id, token length and
-        policy version (when its rows carry one), the worker and data-parallel rank that
+        """One row per (step, stage, item) the driver kept: the item's id, token length,
+        policy version and model turns (when its rows carry them; else -1), the worker and data-parallel rank that
         produced it, how its input arrived, and the training update it belongs to (`update`;
         the same as `step`, the data key, except in the async schedules)."""
         frames = []
@@ -481,9 +481,10 @@ class Controller:
                             "step": r.step, "update": rep.step, "stage": r.stage_id, "stage_index": r.stage,
                             "worker": r.worker, "dp_rank": r.dp_rank, "route_in": r.route_in, "item_id": r.item_ids,
                             "tokens": r.item_tokens,
-                            "version": r.item_versions if r.item_versions is not None else -1}))
+                            "version": r.item_versions if r.item_versions is not None else -1,
+                            "turns": r.item_turns if r.item_turns is not None else -1}))
         cols = ["step", "update", "stage", "stage_index", "worker", "dp_rank", "route_in", "item_id", "tokens",
-                "version"]
+                "version", "turns"]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
 
     def ledger(self) -> pd.DataFrame:

@@ -47,6 +47,7 @@ class StageResult:
     item_ids: np.ndarray | None = None  # the `item_id` of every output row (tensor-parallel rank 0 only)
     item_tokens: np.ndarray | None = None  # and its token length: per-item metadata for lineage and replay
     item_versions: np.ndarray | None = None  # and the policy version it came from (rows with a `version` column)
+    item_turns: np.ndarray | None = None  # and its model turns (multi-turn rows, with a `turns` column)
 
 
 def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:

@@ -267,7 +267,8 @@ class DAGWorker:
                              time.perf_counter() - t0, dict(ctx.counts), self.port.rpcs,
                              out["item_id"].numpy().copy() if first and "item_id" in out else None,
                              tokens if first else None,
-                             out["version"].numpy().copy() if first and "version" in out else None)
+                             out["version"].numpy().copy() if first and "version" in out else None,
+                             out["turns"].numpy().copy() if first and "turns" in out else None)
         self.port.rpcs = 0
         return result, handoff
 

@@ -47,6 +47,10 @@ class WarmStart(Strict):
     """SFT learning rate."""
     batch_size: int = 64
     """Examples per SFT step."""
+    tool_demos: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Multi-turn runs: the fraction of SFT examples shown as the environment's demonstration
+    (its `demo(row)`, e.g. a calculator call, the tool's answer, the final answer), the rest as
+    direct answers. The environment's tokens carry no loss."""
 
 
 class ModelOptions(Strict):
@@ -98,6 +102,8 @@ class DataOptions(Strict):
     """Rows generated for the arithmetic task."""
     arithmetic_max_operand: int = 9
     """Largest operand of the arithmetic task (difficulty)."""
+    arithmetic_ops: str = Field(default="+", pattern=r"^[+\-*]+$")
+    """The arithmetic task's operators, any of "+-*" (e.g. "*": products a tool helps with)."""
     long_tail: LongTailOptions = Field(default_factory=LongTailOptions)
     """The long-tail task's target lengths."""
     cache_dir: str = "data"
@@ -116,6 +122,9 @@ class VLLMOptions(Strict):
     """Free vLLM's weights and KV cache while the trainer runs (sleep level 2); the next weight sync refills the weights."""
     enforce_eager: bool = False
     """No CUDA graphs: faster start-up and less memory, slower decoding."""
+    block_size: int | None = Field(default=None, ge=1)
+    """KV cache block in tokens; the prefix cache reuses whole blocks only (multi-turn contexts shorter
+    than a block never hit). None: vLLM's default (128 on CPU, 16 on CUDA); CPU attention takes multiples of 32."""
     weight_sync_bucket_mib: int = Field(default=512, ge=1)
     """Weight sync gathers and loads at most this many MiB of parameters at a time (a larger single tensor goes alone)."""
 
@@ -166,12 +175,6 @@ class RolloutOptions(Strict):
     """vLLM engine settings (memory, sleep mode, weight-sync buckets); unused by the hf engine."""
     multi_turn: MultiTurnOptions | None = None
     """Trajectories of model turns and environment answers (hf engine); None: one response per sample."""
-
-    @model_validator(mode="after")
-    def _multi_turn_on_hf(self) -> "RolloutOptions":
-        if self.multi_turn is not None and self.engine != "hf":
-            raise ValueError(f"rollout.multi_turn runs on rollout.engine=hf (got {self.engine}); vLLM is not built yet")
-        return self
 
     @model_validator(mode="after")
     def _greedy_single(self) -> "RolloutOptions":
@@ -431,6 +434,9 @@ class RunConfig(Strict):
         check_partial_rollout(s.schedule.partial_rollout, self.rollout.engine, self.rollout.tp)
         if self.rollout.multi_turn is not None and s.schedule.partial_rollout:
             raise ConfigError("rollout.multi_turn with schedule.partial_rollout is not built yet: set one of them off")
+        if self.model.warm_start.tool_demos and self.rollout.multi_turn is None:
+            raise ConfigError("model.warm_start.tool_demos shows an environment's demonstrations: it needs "
+                              "rollout.multi_turn (or set tool_demos: 0)")
         if s.cluster.world_size > 1 and not s.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
         check_switches(s.mode, s.switches)
