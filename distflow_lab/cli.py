@@ -56,6 +56,17 @@ def modes_list(allowed: tuple[str, ...], what: str = "mode") -> Callable[[str], 
     return parse
 
 
+def tool_latency(text: str) -> tuple[float, float]:
+    """--tool-latency 50:1.0 -> (median ms, log-sd), both >= 0."""
+    try:
+        median, sigma = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected MEDIAN_MS:SIGMA, e.g. 50:1.0") from None
+    if median < 0 or sigma < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the median and sigma must be >= 0")
+    return median, sigma
+
+
 def schedule_list(text: str) -> list[tuple[str, dict]]:
     """--schedules sync,one_step_off,async:k=2:partial -> (kind, options), sync first (the baseline)."""
     from distflow_lab.core.errors import ConfigError
@@ -152,7 +163,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from distflow_lab.experiments.bench import async_schedules
 
         async_schedules.run(a.steps, a.warmup, a.modes, a.workers, a.decode_us, a.json, schedules=a.schedules,
-                            engines=a.engine, overrides=a.override)
+                            engines=a.engine, overrides=a.override, workload=a.workload,
+                            tool_latency=a.tool_latency)
     elif a.which == "coordinator":
         from distflow_lab.experiments.bench import coordinator
 
@@ -284,6 +296,10 @@ def parser() -> argparse.ArgumentParser:
                      help="e.g. sync,one_step_off,async:k=2:partial (first: sync, the baseline); default: all eight")
     asy.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                      help="a config override for the real engines' preset (repeatable)")
+    asy.add_argument("--workload", choices=("longtail", "calculator"), default="longtail",
+                     help="the real engines' task: long-tail answers, or multi-turn calls to a calculator tool")
+    asy.add_argument("--tool-latency", type=tool_latency, default=(50.0, 1.0), metavar="MEDIAN_MS:SIGMA",
+                     help="calculator workload: each tool call's delay, lognormal (default 50:1.0)")
     co = bsub.add_parser("coordinator", help="the coordinator actor alone: metadata handling per step")
     co.add_argument("--sizes", type=int_list, default=[8, 16, 32, 64], help="producers = consumers")
     co.add_argument("--items", type=int_list, default=[16, 64], help="items per producer (two or more: see sim)")

@@ -172,6 +172,15 @@ def test_the_pool_plays_trajectories_and_overlaps_slow_tools(pools, tok):
     took = time.perf_counter() - t0
     assert sorted(a.key for a in answers) == [0, 1, 2, 3] and took < 1.2, took  # four 0.4 s calls at once, not 1.6 s
     assert (slow.started, slow.answered) == (8, 8)
+    threads = pools(size=1, concurrency=4, options={"sleep_s": 0.4})  # one actor, four calls at once on threads
+    for k in range(4):
+        threads.call(k, row={})
+    t0 = time.perf_counter()
+    for k in range(4):
+        threads.step(k, [1], turn=1)
+    while threads.in_flight:
+        threads.ready(0.05)
+    assert time.perf_counter() - t0 < 1.2 and threads.answered == 8
 
 
 @pytest.mark.parametrize("mode,match", [
@@ -204,3 +213,21 @@ def test_the_builtin_calculator_runs_on_the_pool_with_its_latency(pools, tok):
     assert text(tok, got.step.observation) == "20;" and got.seconds >= 0.2
     with pytest.raises(ConfigError, match="option 'latency.sigma'"):
         pools("calculator", options={"latency": {"sigma": -1}})  # before any actor starts
+
+
+def test_the_multi_turn_bench_refuses_what_it_cannot_run():
+    """`bench async --workload calculator`: real engines only, no partial rollouts, a readable latency."""
+    import argparse
+
+    from distflow_lab.cli import tool_latency
+    from distflow_lab.experiments.bench import async_schedules
+
+    assert tool_latency("50:1.0") == (50.0, 1.0)
+    for bad in ("50", "a:1", "-5:1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="MEDIAN_MS:SIGMA|must be >= 0"):
+            tool_latency(bad)
+    with pytest.raises(ConfigError, match="runs on the real engines"):
+        async_schedules.run(engines=("synthetic",), workload="calculator")
+    with pytest.raises(ConfigError, match="partial rollouts are not built for multi-turn"):
+        async_schedules.run(engines=("hf",), workload="calculator",
+                            schedules=[("sync", {}), ("async", {"max_staleness": 2, "partial_rollout": True})])

@@ -98,7 +98,8 @@ def engine_of(ctx: StageContext) -> MultiTurnRollout:
         else:
             raise TypeError(f"multi-turn rollouts need the hf rollout's module or a vLLM engine; "
                             f"{type(e.rollout).__name__} has neither")
-        pool = EnvPool(mt.env, e.tokenizer, mt.options, size=mt.pool_size, timeout_s=mt.timeout_s)
+        pool = EnvPool(mt.env, e.tokenizer, mt.options, size=mt.pool_size, timeout_s=mt.timeout_s,
+                       concurrency=mt.concurrency)
         e.multi_turn = MultiTurnRollout(stream, pool, mt.max_turns, mt.max_turn_tokens, cfg.rollout.max_response_len,
                                         POLL_EVERY)
     return e.multi_turn

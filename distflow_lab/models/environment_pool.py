@@ -63,16 +63,20 @@ class _Call:
 
 class EnvPool:
     """`size` actors of environment `env` (a registered name or a class) with `options`;
-    `num_cpus` each (0: they share the DAG workers' cores without reserving them)."""
+    `num_cpus` each (0: they share the DAG workers' cores without reserving them). Each actor
+    serves `concurrency` calls at once, on threads: the trajectories' environments are separate
+    instances, and tools that sleep or wait on I/O overlap (1: one call at a time)."""
 
     def __init__(self, env: str | type, tokenizer: Any, options: Mapping[str, Any] | None = None, *, size: int = 2,
-                 timeout_s: float = 30.0, num_cpus: float = 0.0) -> None:
-        if size < 1 or timeout_s <= 0:
-            raise ValueError(f"EnvPool needs size >= 1 and timeout_s > 0; got size={size}, timeout_s={timeout_s}")
+                 timeout_s: float = 30.0, num_cpus: float = 0.0, concurrency: int = 1) -> None:
+        if size < 1 or timeout_s <= 0 or concurrency < 1:
+            raise ValueError(f"EnvPool needs size >= 1, timeout_s > 0 and concurrency >= 1; got size={size}, "
+                             f"timeout_s={timeout_s}, concurrency={concurrency}")
         self.name, self.timeout_s = env_label(env), timeout_s
         self.vocab_size = len(tokenizer)
         opts = parse_options(env, options)  # a bad option fails here, before any actor starts
-        self.actors = [EnvActor.options(num_cpus=num_cpus).remote(env, opts, tokenizer) for _ in range(size)]
+        self.actors = [EnvActor.options(num_cpus=num_cpus, max_concurrency=concurrency).remote(env, opts, tokenizer)
+                       for _ in range(size)]
         try:  # started before the first call, so a call's timeout never pays for an actor's start
             ray.get([a.__ray_ready__.remote() for a in self.actors], timeout=START_TIMEOUT_S)
         except (RayActorError, GetTimeoutError, RayTaskError) as e:

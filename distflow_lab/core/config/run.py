@@ -132,8 +132,9 @@ class VLLMOptions(Strict):
 class MultiTurnOptions(Strict):
     """Multi-turn rollouts: the model's turns interleaved with an environment (models/rollout_multiturn.py)."""
 
-    env: str
-    """A registered environment (calculator, guess_number, or one @register_env made)."""
+    env: str | type
+    """A registered environment (calculator, guess_number, or one @register_env made), or the class itself
+    (e.g. one defined in a notebook: it travels to the environment actors with the config)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """The environment's own options (its Options class checks them)."""
     max_turns: int = Field(default=4, ge=1)
@@ -142,6 +143,8 @@ class MultiTurnOptions(Strict):
     """Tokens per model turn at most (the trajectory's budget is rollout.max_response_len)."""
     pool_size: int = Field(default=2, ge=1)
     """Environment actors per rollout worker."""
+    concurrency: int = Field(default=8, ge=1)
+    """Calls each environment actor serves at once, on threads (tools that sleep or wait on I/O overlap)."""
     timeout_s: float = Field(default=30.0, gt=0)
     """An environment call slower than this is an EnvError."""
 

@@ -22,6 +22,13 @@ training T: median(G + T) / max(median(G), median(T)).
     distflow-lab bench async --steps 12 --json benchmarks/results/async.json
     distflow-lab bench async --engine synthetic,hf,vllm --steps 8 --json benchmarks/results/async_engines.json
 
+The multi-turn workload (`--workload calculator`, real engines only) is the `tiny-cpu-calculator`
+preset: GRPO learning to call a calculator, each call sleeping a lognormal tool latency
+(`--tool-latency MEDIAN_MS:SIGMA`, default 50:1.0) on the environment actors. Partial rollouts
+are not built for multi-turn, so its default schedules are the five without them.
+
+    distflow-lab bench async --engine hf,vllm --workload calculator --steps 8 --json benchmarks/results/async_multiturn.json
+
 `--schedules sync,one_step_off,async:k=2:partial` picks schedules (the first must be sync);
 `--override KEY=VALUE` changes the real engines' preset, e.g. a >= 50M-parameter model to see
 the weight sync bandwidth-bound rather than latency-bound.
@@ -50,6 +57,7 @@ SCHEDULES: list[tuple[str, dict]] = [
     ("async", {"max_staleness": 4, "partial_rollout": False}),
 ]
 GEN, TRAIN = ["data", "rollout", "reward", "advantage"], ["old_log_prob", "ref_log_prob", "actor_update"]
+WORKLOADS = {"longtail": "tiny-cpu-longtail", "calculator": "tiny-cpu-calculator"}  # real engines' presets
 
 
 def long_tail_dag(batch: int = 16, n: int = 4, workers: int = 4, decode_us: float = 1000.0,
@@ -80,7 +88,17 @@ def measure(s: Session, steps: int, warmup: int) -> dict:
             "dropped_batches": float(m["schedule/dropped_batches"].iloc[-1]),
             "stale_seq_frac": _stale_fraction(m, trained),
             "len_max_over_median": float(m.get("rollout/len_max_over_median", pd.Series([float("nan")])).median()),
-            **_weight_sync(s.spans, m["step"]), "spans": s.spans, "steps": list(range(first, first + steps))}
+            **_weight_sync(s.spans, m["step"]), **_turns(s.spans, m), "spans": s.spans, "steps": list(range(first, first + steps))}
+
+
+def _turns(spans: pd.DataFrame, m: pd.DataFrame) -> dict:
+    """Multi-turn runs: model turns per trajectory, and the rollout's seconds per step waiting for its
+    environments with no turn to decode (`env_wait` spans, summed over the rollout workers)."""
+    if "multi_turn/turns_mean" not in m:
+        return {}
+    waits = spans[(spans.phase == "env_wait") & spans.step.isin(m["step"])].groupby("step")["seconds"].sum()
+    return {"turns_mean": float(m["multi_turn/turns_mean"].mean()),
+            "env_wait_s": float(waits.reindex(m["step"], fill_value=0.0).median())}
 
 
 def _weight_sync(spans: pd.DataFrame, steps: pd.Series) -> dict:
@@ -115,11 +133,14 @@ def ideal_speedup(sync: dict, decode_us: float, slots_per_row: float, items: pd.
 ENGINES = ("synthetic", "hf", "vllm")
 
 
-def real_session(engine: str, mode: str, workers: int, overrides: list[str] | None = None) -> Session:
-    """The long-tail preset on a real rollout engine, half the workers generating, half training;
+def real_session(engine: str, mode: str, workers: int, overrides: list[str] | None = None,
+                 workload: str = "longtail", tool_latency: tuple[float, float] = (50.0, 1.0)) -> Session:
+    """The workload's preset on a real rollout engine, half the workers generating, half training;
     truncated IS corrects the off-policy batches of the async schedules. `overrides` go last."""
     half = workers // 2
-    cfg = load_run_config("tiny-cpu-longtail", [
+    tools = ([f"rollout.multi_turn.options={{max_calls: 2, latency: {{median_ms: {tool_latency[0]}, "
+              f"sigma: {tool_latency[1]}}}}}"] if workload == "calculator" else [])
+    cfg = load_run_config(WORKLOADS[workload], [*tools,
         f"rollout.engine={engine}", f"mode={mode}", f"cluster.world_size={workers}",
         f"groups={{rollout: {half}, train: {workers - half}}}", "rollout.log_probs=true", "actor.off_policy=tis",
         *(overrides or [])])
@@ -138,11 +159,20 @@ def overlap_ideal(sync: dict) -> tuple[float, dict]:
 def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator",), workers: int = 4,
         decode_us: float = 1000.0, json_path: str | None = None,
         schedules: list[tuple[str, dict]] | None = None, engines: tuple[str, ...] = ("synthetic",),
-        overrides: list[str] | None = None) -> list[dict]:
+        overrides: list[str] | None = None, workload: str = "longtail",
+        tool_latency: tuple[float, float] = (50.0, 1.0)) -> list[dict]:
     """Each schedule (default `SCHEDULES`; the first must be sync: it is the baseline and gives
     the ideal) on one session per engine and data plane; prints a table, writes the records as JSON.
-    `overrides` change the real engines' preset (e.g. a shorter warm start)."""
-    schedules = schedules or SCHEDULES
+    `overrides` change the real engines' preset (e.g. a shorter warm start); `workload`: the real
+    engines' task (see the module doc)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; workloads: {list(WORKLOADS)}")
+    if workload == "calculator" and "synthetic" in engines:
+        raise ConfigError("the calculator workload runs on the real engines (--engine hf,vllm), not the synthetic one")
+    multi_turn = workload == "calculator"
+    if multi_turn and schedules and any(o.get("partial_rollout") for _, o in schedules):
+        raise ConfigError("partial rollouts are not built for multi-turn rollouts: drop ':partial' from --schedules")
+    schedules = schedules or ([x for x in SCHEDULES if not x[1].get("partial_rollout")] if multi_turn else SCHEDULES)
     if schedules[0][0] != "sync":
         raise ConfigError(f"the first schedule must be 'sync' (the baseline), got {schedules[0][0]!r}")
     if unknown := [e for e in engines if e not in ENGINES]:
@@ -153,7 +183,8 @@ def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator
     for engine in engines:
         for mode in modes:
             s = (Session(long_tail_dag(workers=workers, decode_us=decode_us), world_size=workers, mode=mode,
-                         keep_outputs=False) if engine == "synthetic" else real_session(engine, mode, workers, overrides))
+                         keep_outputs=False) if engine == "synthetic"
+                 else real_session(engine, mode, workers, overrides, workload, tool_latency))
             try:
                 records += _schedules(s, engine, mode, schedules, steps, warmup, decode_us)
             finally:
@@ -163,11 +194,17 @@ def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator
         mib, ms = r["weight_sync_mib"], r["weight_sync_ms"]
         r["weight_sync_gbps"] = mib * 2**20 / (ms * 1e-3) / 1e9 if ms else 0.0
         r["memcpy_gbps"] = memcpy
+        r["workload"] = workload if r["engine"] != "synthetic" else "synthetic"
+        if multi_turn:
+            r["tool_latency"] = f"lognormal(median {tool_latency[0]:g} ms, sigma {tool_latency[1]:g})"
+    extra = ["turns_mean", "env_wait_s"] if multi_turn else []
+    what = (f"the calculator workload (tool latency lognormal, median {tool_latency[0]:g} ms, sigma {tool_latency[1]:g})"
+            if multi_turn else "a long-tail workload")
     print_table(records, ["engine", "schedule", "max_staleness", "partial_rollout", "mode", "tokens_per_s", "step_s",
                           "trainer_idle", "rollout_idle", "staleness_mean", "partial_frac", "stale_seq_frac",
                           "weight_sync_ms", "weight_sync_mib", "weight_sync_gbps", "speedup_vs_sync",
-                          "ideal_speedup", "of_ideal", "max_over_median_len"],
-                title=f"schedules on a long-tail workload ({steps} measured steps each; ideal from the sync run; "
+                          "ideal_speedup", "of_ideal", "max_over_median_len", *extra],
+                title=f"schedules on {what} ({steps} measured steps each; ideal from the sync run; "
                       f"memcpy {memcpy:.1f} GB/s)")
     write_json(records, json_path)
     return records
