@@ -216,7 +216,7 @@ def test_the_builtin_calculator_runs_on_the_pool_with_its_latency(pools, tok):
 
 
 def test_the_multi_turn_bench_refuses_what_it_cannot_run():
-    """`bench async --workload calculator`: real engines only, no partial rollouts, a readable latency."""
+    """`bench async --workload calculator`: real engines only, and a readable latency."""
     import argparse
 
     from distflow_lab.cli import tool_latency
@@ -228,6 +228,3 @@ def test_the_multi_turn_bench_refuses_what_it_cannot_run():
             tool_latency(bad)
     with pytest.raises(ConfigError, match="runs on the real engines"):
         async_schedules.run(engines=("synthetic",), workload="calculator")
-    with pytest.raises(ConfigError, match="partial rollouts are not built for multi-turn"):
-        async_schedules.run(engines=("hf",), workload="calculator",
-                            schedules=[("sync", {}), ("async", {"max_staleness": 2, "partial_rollout": True})])

@@ -116,6 +116,41 @@ def test_budgets_bound_turns_and_trajectories(pool, tok):
     assert (cols["loss_mask"].sum(1) <= 2 * 4).all() and mt.stats.done_by_env == 0
 
 
+def test_partial_rollouts_carry_trajectories_across_calls_and_policy_versions(pool, tok):
+    """run(groups) returns whole prompt groups, oldest first; open trajectories stay for the next call and
+    go on under the versions refresh() brings, each model token tagged with the one that sampled it."""
+    from distflow_lab.models.rollout_stream import StaleRule
+
+    ids, mask, _ = tokenize_prompts(tok, PROMPTS, P)
+    model, mt = rollout(tok, pool(turns=3), turn_tokens=4, n=2)
+    mt.add(ids, mask, [{} for _ in PROMPTS], metas=list(range(len(PROMPTS))), n=2)
+    polls = iter(range(1000))
+    bump = lambda: next(polls) // 2  # noqa: E731  (a new version every second poll)
+    first, metas1 = mt.run(2, version=0, seed=0, refresh=bump)
+    assert len(metas1) == 4 and len(set(metas1)) == 2 and mt.in_flight + 2 * len(mt.ready) > 0
+    second, metas2 = mt.run(2, version=mt._version, seed=1, refresh=bump)
+    assert sorted({*metas1, *metas2}) == [0, 1, 2, 3] and mt.in_flight == 0 and not mt.ready
+    for cols in (first, second):
+        loss = cols["loss_mask"].bool()
+        for i in range(len(loss)):
+            v = cols["token_versions"][i][loss[i]].tolist()
+            assert v == sorted(v) and cols["version"][i] == v[0], v  # tagged as sampled, oldest first
+            L = int(cols["response_mask"][i].sum())
+            prompt = cols["input_ids"][i, :P][cols["attention_mask"][i, :P].bool()]
+            context = torch.cat([prompt, cols["responses"][i, :L]])
+            want = full_log_probs(model, context, torch.nonzero(loss[i, :L]).squeeze(1) + len(prompt))
+            assert torch.allclose(cols["rollout_log_probs"][i, :L][loss[i, :L]], want, atol=1e-5)
+    versions = torch.cat([c["token_versions"][c["loss_mask"].bool()] for c in (first, second)])
+    assert versions.unique().numel() > 1  # the policy moved while they played
+    # k = 0 with the version moving every second poll: groups that straddle a version are dropped, not returned
+    mt.add(ids, mask, [{} for _ in PROMPTS], metas=list(range(len(PROMPTS))), n=2)
+    got, _ = mt.run(4, version=mt._version, seed=2, refresh=bump, stale=StaleRule(max_staleness=0))
+    assert mt.stats.stale_dropped > 0
+    for i in range(len(got["turns"])):
+        v = got["token_versions"][i][got["loss_mask"][i].bool()]
+        assert (v == v[0]).all()  # never trained more than k = 0 versions stale
+
+
 # ---------------------------------------------------------------- through a session
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_grpo_learns_to_call_the_calculator(ray_cluster, tmp_path, engine):
@@ -154,27 +189,36 @@ def test_grpo_learns_to_call_the_calculator(ray_cluster, tmp_path, engine):
 
 
 GROUPS = "groups={rollout: 1, train: 1}"
-ALGOS = {"ppo": ["algorithm.name=ppo", "algorithm.adv_estimator=gae", "actor.use_kl_loss=false"],
+ALGOS = {"grpo": [],
+         "ppo": ["algorithm.name=ppo", "algorithm.adv_estimator=gae", "actor.use_kl_loss=false"],
          "gspo": ["algorithm.name=gspo", "actor.loss_agg_mode=seq-mean-token-mean", "actor.use_kl_loss=false"],
          "dapo": ["algorithm.name=dapo", "actor.use_kl_loss=false", "algorithm.dapo.max_rounds=2",
                   "algorithm.dapo.oversample=1.0"]}
-# (algorithm, plane, schedule overrides): every schedule kind of worker groups, both planes that run them
-MT_CELLS = [("dapo", "distributed", []),  # colocated, sync
+# (algorithm, plane, schedule overrides): every schedule kind of worker groups, both planes that run them, partial
+# rollouts on both engines (colocated sync: test_grpo_learns_to_call_the_calculator, GRPO on each engine)
+MT_CELLS = [("grpo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",  # vLLM: a sync
+                                     "schedule.partial_rollout=true", "actor.off_policy=tis",  # preempts the turns
+                                     "rollout.engine=vllm"]),  # in flight; they resume under the new weights
             ("ppo", "coordinator", [GROUPS, "schedule.kind=one_step_off", "actor.off_policy=tis"]),
             ("gspo", "distributed", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
                                      "actor.off_policy=decoupled"]),
-            ("dapo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1"])]
+            ("dapo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1"]),
+            ("grpo", "distributed", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
+                                     "schedule.partial_rollout=true", "actor.off_policy=tis"])]
 
 
 def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path):
-    """PPO, GSPO and DAPO (its later sampling rounds play new trajectories) colocated and on worker groups
-    under one_step_off and async, in both planes that run groups: the trained batch keeps its loss mask,
+    """PPO, GSPO and DAPO (its later sampling rounds play new trajectories) on worker groups under
+    one_step_off and async, in both planes that run groups, and GRPO async with partial rollouts
+    (trajectories carried across weight updates) on HF and vLLM: the trained batch keeps its loss mask,
     the schedule's staleness bound holds, and the rollout group follows the training group's versions."""
     from distflow_lab.api.runner import load_run_config, open_session
 
     base = [f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out", "data.prompts_per_step=4",
             "rollout.n=4", "rollout.log_probs=true", "cluster.stage_timeout_s=120"]
     for algo, plane, overrides in MT_CELLS:
+        if "rollout.engine=vllm" in overrides and not os.environ.get("CI"):
+            pytest.importorskip("vllm")
         cfg = load_run_config("tiny-cpu-calculator", base + ALGOS[algo] + overrides + [f"mode={plane}"])
         where = f"{algo} / {plane} / {overrides[1:] or 'colocated'}"
         with open_session(cfg, progress=False) as s:
@@ -187,6 +231,9 @@ def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path):
             assert all("critic/loss" in x for x in m), where
         if algo == "dapo":
             assert max(x["dynamic_sampling/rounds"] for x in m) > 1, where  # new trajectories were played
+        if "schedule.partial_rollout=true" in overrides:  # the streaming path ran (HF: across weight updates)
+            assert all("rollout/partial_frac" in x for x in m), where
+            assert "rollout.engine=vllm" in overrides or sum(x["rollout/partial_frac"] for x in m) > 0, where
         if overrides:
             k = 1
             assert [x["schedule/policy_version"] for x in m] == [1.0, 2.0, 3.0], where

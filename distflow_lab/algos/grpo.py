@@ -77,10 +77,10 @@ CONTRACTS = {
 def rollout(batch: Batch, ctx: StageContext) -> Batch:
     cfg, e = ctx.config, ctx.engines
     sync_weights(ctx)  # the actor changed last step: push its weights (a span of its own)
+    if cfg.rollout.multi_turn is not None:  # turns interleaved with an environment (multiturn.py; partial too)
+        return multi_turn_rollout(batch, ctx)
     if partial_rollouts(ctx):  # async with partial rollouts: sequences decode on across updates (streaming.py)
         return stream_rollout(batch, ctx)
-    if cfg.rollout.multi_turn is not None:  # turns interleaved with an environment (multiturn.py)
-        return multi_turn_rollout(batch, ctx)
     prompt_ids, prompt_mask, truncated = tokenize_prompts(e.tokenizer, list(batch["prompt"]), cfg.data.max_prompt_len)
     cols = e.rollout.generate(prompt_ids, prompt_mask, seed=ctx.seed)
     objects = response_objects(prompt_infos(batch), cfg.rollout.n)

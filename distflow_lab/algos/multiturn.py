@@ -5,19 +5,25 @@ environments on Ray actors of their own).
 One pool and one turn stream per rollout worker, built on first use and kept across steps
 (the pool is shut down with the engines). The rows carry `loss_mask` (the model's tokens)
 and `env_reward`, which the reward stage takes as the score.
+
+With partial rollouts (async, `schedule.partial_rollout`), trajectories stay open across
+calls and weight updates as sequences do in streaming.py: a call admits this step's prompts,
+prefetches later ones from the loader so that trajectories waiting on tools do not leave the
+engine idle, pulls the policy while decoding, and returns `len(batch)` whole prompt groups.
 """
 from __future__ import annotations
 
 import torch
 
 from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
+from distflow_lab.algos.streaming import partial_rollouts
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import RunConfig
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.models.environment import env_class, parse_options
 from distflow_lab.models.environment_pool import EnvPool
 from distflow_lab.models.rollout_multiturn import MultiTurnRollout
-from distflow_lab.models.rollout_stream import HFStreamingRollout
+from distflow_lab.models.rollout_stream import HFStreamingRollout, StaleRule
 from distflow_lab.models.rollout_vllm import VLLMRollout
 from distflow_lab.models.rollout_vllm_stream import VLLMStreamingRollout
 from distflow_lab.models.sequences import tokenize_prompts
@@ -42,16 +48,53 @@ def check_multi_turn(cfg: RunConfig) -> None:
 
 def multi_turn_rollout(batch: Batch, ctx: StageContext) -> Batch:
     """n trajectories per prompt of the batch (see the module doc)."""
+    if partial_rollouts(ctx):
+        return multi_turn_stream(batch, ctx)
     cfg, e = ctx.config, ctx.engines
     mt = engine_of(ctx)
     ids, mask, truncated = tokenize_prompts(e.tokenizer, list(batch["prompt"]), cfg.data.max_prompt_len)
-    rows = [{"prompt": p, "reward_model": rm, "data_source": src}
-            for p, rm, src in zip(batch["prompt"], batch["reward_model"], batch["data_source"])]
-    cols = mt.generate(ids, mask, rows, n=cfg.rollout.n, seed=ctx.seed, version=e.policy.version)
-    objects = response_objects(prompt_infos(batch), cfg.rollout.n)
-    objects["prompt"] = [p for p in batch["prompt"] for _ in range(cfg.rollout.n)]  # DAPO's later rounds reset from it
+    cols = mt.generate(ids, mask, env_rows(batch), n=cfg.rollout.n, seed=ctx.seed, version=e.policy.version)
+    n = cfg.rollout.n
+    objects = {**response_objects(prompt_infos(batch), n),  # DAPO's later rounds reset environments from the prompt
+               "prompt": [p for p in batch["prompt"] for _ in range(n)]}
     log_turns(cols, mt, ctx, truncated)
     return Batch(cols, objects)
+
+
+def multi_turn_stream(batch: Batch, ctx: StageContext) -> Batch:
+    """Partial rollouts: `len(batch)` whole prompt groups, trajectories carried across calls (module doc)."""
+    cfg, e = ctx.config, ctx.engines
+    mt = engine_of(ctx)
+    truncated = admit(mt, batch, ctx)
+    while ctx.loader is not None and mt.in_flight < 2 * len(batch) * cfg.rollout.n:  # tools wait off the engine
+        truncated += admit(mt, ctx.loader.next_batch(), ctx)
+    refill = (lambda: admit(mt, ctx.loader.next_batch(), ctx)) if ctx.loader is not None else None
+    refresh = ctx.refresh_policy if e.weights is not None else None  # colocated: the actor's module, nothing to pull
+    rule = StaleRule(ctx.schedule.max_staleness, ctx.trains_by, ctx.schedule.on_stale)
+    cols, metas = mt.run(len(batch), version=e.policy.version, seed=ctx.seed, refresh=refresh, stale=rule,
+                         refill=refill)
+    s = mt.stats
+    ctx.count(**{k: v for k, v in {"rollout/stale_dropped": s.stale_dropped,
+                                   "rollout/stale_regenerated": s.stale_regenerated,
+                                   "rollout/partial": s.partial}.items() if v})
+    ctx.log(**{"rollout/partial_frac": s.partial / max(1, s.trajectories)})
+    objects = {**response_objects([info for info, _ in metas]), "prompt": [prompt for _, prompt in metas]}
+    log_turns(cols, mt, ctx, truncated)
+    return Batch(cols, objects)
+
+
+def admit(mt: MultiTurnRollout, batch: Batch, ctx: StageContext) -> int:
+    """Admit a loader batch's prompts; returns how many were truncated to max_prompt_len."""
+    ids, mask, truncated = tokenize_prompts(ctx.engines.tokenizer, list(batch["prompt"]), ctx.config.data.max_prompt_len)
+    metas = list(zip(prompt_infos(batch), batch["prompt"]))
+    mt.add(ids, mask, env_rows(batch), metas, n=ctx.config.rollout.n)
+    return truncated
+
+
+def env_rows(batch: Batch) -> list[dict]:
+    """What each prompt's environment reset reads: its prompt, reward model (ground truth) and data source."""
+    return [{"prompt": p, "reward_model": rm, "data_source": src}
+            for p, rm, src in zip(batch["prompt"], batch["reward_model"], batch["data_source"])]
 
 
 def multi_turn_again(heads: Batch, ctx: StageContext, seed: int) -> dict[str, torch.Tensor]:

@@ -16,7 +16,6 @@ import math
 from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import check_partial_rollout
-from distflow_lab.core.errors import ConfigError
 from distflow_lab.models.rollout_stream import HFStreamingRollout, StaleRule
 from distflow_lab.models.rollout_vllm import VLLMRollout
 from distflow_lab.models.rollout_vllm_stream import VLLMStreamingRollout
@@ -32,8 +31,7 @@ def partial_rollouts(ctx: StageContext) -> bool:
     rollouts where the run config would refuse them is refused here too)."""
     if ctx.schedule.partial_rollout:
         check_partial_rollout(True, ctx.config.rollout.engine, ctx.config.rollout.tp)
-        if ctx.config.rollout.multi_turn is not None:  # e.g. s.reopen(partial_rollout=True) on a multi-turn run
-            raise ConfigError("rollout.multi_turn with schedule.partial_rollout is not built yet: set one of them off")
+
     return ctx.schedule.partial_rollout
 
 

@@ -435,8 +435,6 @@ class RunConfig(Strict):
             raise ConfigError("rollout.engine=vllm but vLLM is not installed: `bash scripts/setup.sh` installs its CPU "
                               "build on a CPU machine, pip install -e '.[gpu]' on a CUDA one; or use rollout.engine=hf")
         check_partial_rollout(s.schedule.partial_rollout, self.rollout.engine, self.rollout.tp)
-        if self.rollout.multi_turn is not None and s.schedule.partial_rollout:
-            raise ConfigError("rollout.multi_turn with schedule.partial_rollout is not built yet: set one of them off")
         if self.model.warm_start.tool_demos and self.rollout.multi_turn is None:
             raise ConfigError("model.warm_start.tool_demos shows an environment's demonstrations: it needs "
                               "rollout.multi_turn (or set tool_demos: 0)")

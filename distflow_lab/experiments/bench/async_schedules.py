@@ -24,8 +24,8 @@ training T: median(G + T) / max(median(G), median(T)).
 
 The multi-turn workload (`--workload calculator`, real engines only) is the `tiny-cpu-calculator`
 preset: GRPO learning to call a calculator, each call sleeping a lognormal tool latency
-(`--tool-latency MEDIAN_MS:SIGMA`, default 50:1.0) on the environment actors. Partial rollouts
-are not built for multi-turn, so its default schedules are the five without them.
+(`--tool-latency MEDIAN_MS:SIGMA`, default 50:1.0) on the environment actors. Its default
+schedules are the five without partial rollouts (`--schedules ...:partial` adds them).
 
     distflow-lab bench async --engine hf,vllm --workload calculator --steps 8 --json benchmarks/results/async_multiturn.json
 
@@ -170,8 +170,6 @@ def run(steps: int = 12, warmup: int = 3, modes: tuple[str, ...] = ("coordinator
     if workload == "calculator" and "synthetic" in engines:
         raise ConfigError("the calculator workload runs on the real engines (--engine hf,vllm), not the synthetic one")
     multi_turn = workload == "calculator"
-    if multi_turn and schedules and any(o.get("partial_rollout") for _, o in schedules):
-        raise ConfigError("partial rollouts are not built for multi-turn rollouts: drop ':partial' from --schedules")
     schedules = schedules or ([x for x in SCHEDULES if not x[1].get("partial_rollout")] if multi_turn else SCHEDULES)
     if schedules[0][0] != "sync":
         raise ConfigError(f"the first schedule must be 'sync' (the baseline), got {schedules[0][0]!r}")
