@@ -41,6 +41,23 @@ def test_a_demonstration_trains_the_models_tokens_only(tok):
         demonstrations("guess_number", [row])
 
 
+def test_the_guess_number_demo_is_a_bisection_the_environment_agrees_with(tok):
+    from distflow_lab.datasets.guess_number import make_guess_number_rows
+    from distflow_lab.models.environment import demonstrations
+
+    rows = make_guess_number_rows(15 * 4, 0, high=15)
+    for row, demo in zip(rows, demonstrations("guess_number", rows)):
+        env = make_env("guess_number", tok)
+        env.reset(row)
+        guesses = [text for text, by_model in demo if by_model]
+        assert 1 <= len(guesses) <= 4 and guesses[-1] == row["reward_model"]["ground_truth"] + ";"
+        for k, guess in enumerate(guesses):  # played against the real environment: its answers are the demo's
+            out = env.step(ids(tok, guess))
+            if k + 1 < len(guesses):
+                assert text(tok, out.observation) == demo[2 * k + 1][0] and not out.done
+        assert out.done and out.reward == pytest.approx(1.0 - 0.1 * (len(guesses) - 1))
+
+
 def test_tool_demos_need_a_multi_turn_run():
     from distflow_lab.api.runner import load_run_config
 

@@ -240,6 +240,21 @@ def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path):
             assert max(x["schedule/staleness"] for x in m) <= k and m[-1]["schedule/rollout_version"] >= 1, where
 
 
+def test_the_guess_number_preset_plays_games(ray_cluster, tmp_path):
+    """tiny-cpu-guess-number: after a warm start that shows bisection half the time, trajectories span
+    several guesses, each answered by the environment, and some find the secret."""
+    from distflow_lab.api.runner import load_run_config, open_session
+
+    cfg = load_run_config("tiny-cpu-guess-number", [f"data.cache_dir={tmp_path}/data", "data.prompts_per_step=8",
+                                                   f"trainer.out_dir={tmp_path}/out", "rollout.n=4"])
+    with open_session(cfg, progress=False) as s:
+        m = [s.step().metrics for _ in range(2)]
+        t = s.trajectories().table
+    assert all("actor/loss" in x for x in m) and len(t) == 32
+    assert t["turns"].max() > 1 and (t["env_tokens"] > 0).any()  # guesses answered "<;" / ">;"
+    assert t["reward"].between(0, 1).all() and (t["reward"] > 0).any()
+
+
 # ---------------------------------------------------------------- on vLLM
 @pytest.fixture(scope="module")
 def vllm_engine(tmp_path_factory, tok):

@@ -23,6 +23,7 @@ from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.api.session import Session
 from distflow_lab.core.config import ConfigError, RunConfig, parse_run_config
 from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
+from distflow_lab.datasets.guess_number import write_guess_number_parquet
 from distflow_lab.datasets.long_tail import write_long_tail_parquet
 from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
 from distflow_lab.datasets.schema import read_table, validate_table
@@ -60,6 +61,12 @@ def prepare_data(cfg: RunConfig) -> str:
         if not path.exists():
             root.mkdir(parents=True, exist_ok=True)
             write_long_tail_parquet(path, lt.rows, cfg.session.seed, median=lt.median, sigma=lt.sigma, max_len=max_len)
+    elif cfg.data.train == "guess_number":
+        g = cfg.data.guess_number
+        path = root / f"guess_number-{g.rows}-high{g.high}-s{cfg.session.seed}.parquet"
+        if not path.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            write_guess_number_parquet(path, g.rows, cfg.session.seed, g.high)
     elif cfg.data.train == "gsm8k":
         path = root / "gsm8k-train.parquet"
         if not path.exists():

@@ -34,6 +34,21 @@ class GuessNumber:
         self.rng = random.Random(options.seed)
         self.secret, self.guesses = 0, 0
 
+    @staticmethod
+    def demo(row: Mapping[str, Any]) -> list[tuple[str, bool]]:
+        """A worked game: bisection over 1..high (the row's `extra_info.high`, else 15), each guess
+        answered as the environment would."""
+        info = row.get("extra_info")
+        lo, hi = 1, int(info.get("high", 15)) if isinstance(info, Mapping) else 15
+        secret, out = int(ground_truth(row)), []
+        while True:
+            guess = (lo + hi) // 2
+            out.append((f"{guess};", True))
+            if guess == secret:
+                return out
+            lo, hi = (lo, guess - 1) if secret < guess else (guess + 1, hi)
+            out.append(("<;" if secret < guess else ">;", False))
+
     def reset(self, row: Mapping[str, Any]) -> list[int]:
         self.secret, self.guesses = int(ground_truth(row)), 0
         return []

@@ -86,12 +86,22 @@ class LongTailOptions(Strict):
     """Log-sd of the target lengths (1.4: the longest of 32 prompts is ~15x the median)."""
 
 
-GENERATED_DATA = ("arithmetic", "gsm8k", "long_tail")  # data.train names that are not a file
+class GuessNumberData(Strict):
+    """The guess-the-number game's rows (data.train: guess_number): a secret in [1, high] each."""
+
+    rows: int = Field(default=4096, ge=1)
+    """Rows generated."""
+    high: int = Field(default=15, ge=1)
+    """The secret's range is 1..high (the prompt states it)."""
+
+
+GENERATED_DATA = ("arithmetic", "gsm8k", "long_tail", "guess_number")  # data.train names that are not a file
 
 
 class DataOptions(Strict):
     train: str = "arithmetic"
-    """verl-schema parquet/jsonl path, or "arithmetic" / "long_tail" (generated) or "gsm8k" (converted from ../shared)."""
+    """verl-schema parquet/jsonl path, or "arithmetic" / "long_tail" / "guess_number" (generated) or "gsm8k"
+    (converted from ../shared)."""
     prompts_per_step: int = Field(default=16, ge=1)
     """Prompts in the global batch of one step (each gets `rollout.n` responses)."""
     max_prompt_len: int = Field(default=16, ge=1)
@@ -106,6 +116,8 @@ class DataOptions(Strict):
     """The arithmetic task's operators, any of "+-*" (e.g. "*": products a tool helps with)."""
     long_tail: LongTailOptions = Field(default_factory=LongTailOptions)
     """The long-tail task's target lengths."""
+    guess_number: GuessNumberData = Field(default_factory=GuessNumberData)
+    """The guess-the-number game's rows."""
     cache_dir: str = "data"
     """Where generated (arithmetic) and converted (GSM8K) parquet files go. Relative: under the cache dir."""
 
