@@ -37,8 +37,8 @@ def test_a_demonstration_trains_the_models_tokens_only(tok):
     L = int(cols["response_mask"][0].sum())
     assert tok.decode(cols["responses"][0, :L][cols["loss_mask"][0, :L] == 0]) == value + ";"  # the tool's answer
     assert cols["loss_mask"][0, L - 1] == 1 and (cols["loss_mask"][1] == cols["response_mask"][1]).all()  # eos; direct
-    with pytest.raises(ConfigError, match="environment 'guess_number' has no demo"):
-        demonstrations("guess_number", [row])
+    with pytest.raises(ConfigError, match="environment 'Scripted' has no demo"):
+        demonstrations(Scripted, [row])
 
 
 def test_the_guess_number_demo_is_a_bisection_the_environment_agrees_with(tok):
@@ -56,6 +56,8 @@ def test_the_guess_number_demo_is_a_bisection_the_environment_agrees_with(tok):
             if k + 1 < len(guesses):
                 assert text(tok, out.observation) == demo[2 * k + 1][0] and not out.done
         assert out.done and out.reward == pytest.approx(1.0 - 0.1 * (len(guesses) - 1))
+    with pytest.raises(ValueError, match="the secret 99 is outside 1..15"):
+        demonstrations("guess_number", [{"reward_model": {"ground_truth": "99"}}])
 
 
 def test_tool_demos_need_a_multi_turn_run():

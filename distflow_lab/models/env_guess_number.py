@@ -41,6 +41,8 @@ class GuessNumber:
         info = row.get("extra_info")
         lo, hi = 1, int(info.get("high", 15)) if isinstance(info, Mapping) else 15
         secret, out = int(ground_truth(row)), []
+        if not lo <= secret <= hi:  # bisection would never find it
+            raise ValueError(f"guess_number demo: the secret {secret} is outside 1..{hi} (extra_info.high)")
         while True:
             guess = (lo + hi) // 2
             out.append((f"{guess};", True))
