@@ -41,6 +41,8 @@ _EXPORTS = {
     "EnvPool": "distflow_lab.models.environment_pool",
     "replay": "distflow_lab.experiments.replay", "replay_accuracy": "distflow_lab.experiments.replay",
     "schedule_replay_accuracy": "distflow_lab.experiments.schedule_replay",
+    "soak": "distflow_lab.experiments.soak", "SoakReport": "distflow_lab.experiments.soak",
+    "WeightBoardLost": "distflow_lab.core.errors",
 }
 
 

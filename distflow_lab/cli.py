@@ -3,6 +3,7 @@
     distflow-lab run CONFIG|PRESET [--mode M] [--steps N] [--out DIR] [--overwrite] [--resume] [key=value ...]
     distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR] [--overwrite]
     distflow-lab bench dataplane|balance|serialization|memory|e2e [...]
+    distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F]
     distflow-lab data gsm8k|arithmetic [...]
 
 Arguments and configs are parsed and checked first, with light imports only:
@@ -184,6 +185,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_soak(a: argparse.Namespace) -> int:
+    fresh_file(a.json, a.overwrite)
+    if all(m == "centralized" for m in a.mode) and all(x != "sync" for x in a.schedule):
+        raise UsageError(f"--schedule {','.join(a.schedule)} needs the coordinator or distributed data plane; "
+                         "--mode centralized runs sync only")
+    from distflow_lab.experiments import soak
+
+    reports = soak.run(list(a.mode), list(a.schedule), list(a.engine), a.steps, a.fault_every, a.seed, a.json,
+                       a.max_staleness)
+    return 0 if all(r["ok"] for r in reports) else 1
+
+
 def cmd_data(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,7 +234,7 @@ def add_run_args(r: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="distflow-lab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{run,ablate,bench,data}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{run,ablate,bench,soak,data}")
 
     add_run_args(sub.add_parser("run", help="an RL run (GRPO/PPO) from a preset or YAML"))
 
@@ -317,6 +330,20 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)
+
+    sk = sub.add_parser("soak", help="chaos soak: random real faults over a long run, recovered, books checked")
+    sk.add_argument("--mode", type=modes_list(MODES), default=("distributed",), help="data plane(s), comma-separated")
+    sk.add_argument("--schedule", type=modes_list(("sync", "one_step_off", "async"), "schedule"), default=("sync",),
+                    help="schedule(s), comma-separated (centralized runs sync only; others are skipped for it)")
+    sk.add_argument("--engine", type=modes_list(("synthetic", "hf", "vllm"), "engine"), default=("synthetic",),
+                    help="the synthetic DAG, or the tiny GRPO on the HF or vLLM engine")
+    sk.add_argument("--steps", type=positive, default=40)
+    sk.add_argument("--fault-every", type=float, default=10.0, help="mean steps between faults (0: none)")
+    sk.add_argument("--max-staleness", type=int, default=2, help="k of the async schedule")
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--json", help="write the reports here")
+    sk.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+    sk.set_defaults(fn=cmd_soak)
 
     dt = sub.add_parser("data", help="write datasets as verl-schema parquet")
     dsub = dt.add_subparsers(dest="what", required=True)

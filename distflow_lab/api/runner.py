@@ -120,12 +120,40 @@ def open_session(cfg: RunConfig, progress: bool = True, dag: DAG | None = None, 
 
 
 def rl_session(config: str | RunConfig = "tiny-cpu-grpo", overrides: list[str] | None = None,
-               dag: DAG | None = None, progress: bool = True, **options: Any) -> Session:
+               dag: DAG | None = None, progress: bool = True, resume: bool | str | Path = False,
+               **options: Any) -> Session:
     """A GRPO/PPO session from a preset or YAML (plus overrides): prepares the model
     (SFT warm start, cached) and data, then starts the workers. Pass `dag` to run a
-    modified DAG (e.g. `lab.rl_dag(cfg).replace("advantage", fn=my_fn)`)."""
+    modified DAG (e.g. `lab.rl_dag(cfg).replace("advantage", fn=my_fn)`). `resume`: continue
+    from a checkpoint (a checkpoint folder, or a folder of them: the newest complete one; True:
+    the newest run of this config with one, as `distflow-lab run --resume` finds it), e.g. after
+    the notebook kernel died."""
     cfg = config if isinstance(config, RunConfig) else load_run_config(config, overrides)
-    return open_session(cfg, progress, dag, **options)
+    ckpt = resume_checkpoint(cfg, resume) if resume is not False else None  # a missing one fails before any work
+    s = open_session(cfg, progress, dag, **options)
+    if ckpt is not None:
+        try:
+            s.load_checkpoint(ckpt)
+        except BaseException:
+            s.close()
+            raise
+    return s
+
+
+def resume_checkpoint(cfg: RunConfig, resume: bool | str | Path) -> Path:
+    """The checkpoint `rl_session(..., resume=...)` continues from (see there)."""
+    if resume is True:
+        where = run_dir(cfg, None, resume=True) / "checkpoints"
+    else:
+        where = Path(resume)
+        if (where / "state.json").is_file():
+            return where
+        if (where / "checkpoints").is_dir():
+            where = where / "checkpoints"
+    ckpt = latest_checkpoint(where)
+    if ckpt is None:
+        raise ConfigError(f"no complete checkpoint under {where} to resume from")
+    return ckpt
 
 
 def rl_dag(cfg: RunConfig | str, overrides: list[str] | None = None) -> DAG:

@@ -77,6 +77,11 @@ class CoordinatorLost(PlaneLost):
     """The metadata coordinator actor died during a step."""
 
 
+class WeightBoardLost(StageError):
+    """On worker groups: the WeightBoard actor died, or a policy it pointed to was lost with
+    the worker that published it. The run needs resume() (a checkpoint restores the board)."""
+
+
 class PolicyNotPublished(StageError):
     """On worker groups: a training segment ended without leaving the policy at the next
     version (update t must leave version t + 1): the actor-update stage must advance it,

@@ -128,6 +128,8 @@ class ActorPort:
         self.spec, self.rank, self.rec = spec, rank, rec
         self.cache = LocalCache()
         self.rpcs = 0
+        # the actor fails a wait of its own after wait_timeout_s; past this, it neither answered nor died
+        self.call_timeout_s = getattr(spec, "wait_timeout_s", 120.0) + 60.0
 
     @contextmanager
     def _guard(self, step: int, edge: "Edge", stage: "Stage"):
@@ -162,7 +164,7 @@ class ActorPort:
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "wait"):
             pieces = self._locate(step, stage, edge, producer)
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "get", cache_hit=False) as sp:
-            objs = ray.get([ref for ref, _ in pieces])
+            objs = ray.get([ref for ref, _ in pieces], timeout=self.call_timeout_s)
             batch = Batch.gather([(o, rows) for o, (_, rows) in zip(objs, pieces)])  # one copy per column
             sp.items, sp.bytes = len(batch), batch.nbytes
         return Fetched(batch, self.route, False)

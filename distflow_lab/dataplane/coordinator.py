@@ -47,7 +47,7 @@ class CoordinatorPlane(ActorPlane):
         ).remote(setup.switches.double_buffer, setup.wait_timeout_s)
         ray.get(self.coordinator.ping.remote(), timeout=120)
         return CoordinatorSpec(self.coordinator, setup.switches.local_cache, setup.routing,
-                               setup.switches.rows_per_object)
+                               setup.switches.rows_per_object, wait_timeout_s=setup.wait_timeout_s)
 
     def actors(self) -> list:
         return [self.coordinator] if self.coordinator is not None else []
@@ -70,6 +70,7 @@ class CoordinatorSpec:
     routing: Routing
     rows_per_object: int = 0
     loads_data: bool = True
+    wait_timeout_s: float = 120.0  # the actor's own wait; a call to it is bounded a little above
 
     def bind(self, rank: int, recorder: SpanRecorder) -> "CoordinatorPort":
         return CoordinatorPort(self, rank, recorder)
@@ -93,7 +94,7 @@ class CoordinatorPort(ActorPort):
 
     def _locate(self, step: int, stage: "Stage", edge: "Edge", producer: "Stage") -> list[tuple[Any, Any]]:
         meta = ray.get(self.coord.get_meta.remote(step, edge.name, stage.dp_rank(self.rank),
-                                                  stage.group_rank(self.rank) == 0))
+                                                  stage.group_rank(self.rank) == 0), timeout=self.call_timeout_s)
         self.rpcs += 1
         self._check_published()
         return meta

@@ -69,7 +69,8 @@ class DistributedPlane(ActorPlane):
         self.buffers, _, self.buffer_of_worker = place_buffers(setup.worker_nodes, sw.num_buffers,
                                                                sw.double_buffer, setup.wait_timeout_s)
         ray.get([b.ping.remote() for b in self.buffers], timeout=120)
-        return BufferSpec(self.buffers, self.buffer_of_worker, sw.local_cache, setup.routing)
+        return BufferSpec(self.buffers, self.buffer_of_worker, sw.local_cache, setup.routing,
+                          wait_timeout_s=setup.wait_timeout_s)
 
     def actors(self) -> list:
         return list(self.buffers)
@@ -92,6 +93,7 @@ class BufferSpec:
     local_cache: bool
     routing: Routing
     loads_data: bool = True
+    wait_timeout_s: float = 120.0  # a DataBuffer's own wait; a call to it is bounded a little above
 
     def bind(self, rank: int, recorder: SpanRecorder) -> "BufferPort":
         return BufferPort(self, rank, recorder)
@@ -115,7 +117,8 @@ class BufferPort(ActorPort):
 
     def _locate(self, step: int, stage: "Stage", edge: "Edge", producer: "Stage") -> list[tuple[Any, Any]]:
         pieces = ray.get(self._buffer_of(self.rank).get_pieces.remote(
-            step, edge.name, stage.dp_rank(self.rank), producer.dp, stage.group_rank(self.rank) == 0))
+            step, edge.name, stage.dp_rank(self.rank), producer.dp, stage.group_rank(self.rank) == 0),
+            timeout=self.call_timeout_s)
         self.rpcs += 1
         return pieces
 
@@ -128,7 +131,8 @@ class BufferPort(ActorPort):
             with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
                 sp.bytes = out.nbytes
                 ray.get(self.buffers[b].add_whole.remote(step, edge.name, me, item_lengths(out), stage.dp, consumer.dp,
-                                                         routing, [ray.put(out)], item_groups(out)))
+                                                         routing, [ray.put(out)], item_groups(out)),
+                        timeout=self.call_timeout_s)
                 self.rpcs += 2  # the put and the call
             return
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "plan", items=len(out)):
@@ -136,7 +140,7 @@ class BufferPort(ActorPort):
             reports = [b.report.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, routing, False, groups)
                        for b in self.buffers if b is not mine]  # awaited with the pieces below
             pieces = ray.get(mine.report_and_plan.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, routing,
-                                                         groups))
+                                                         groups), timeout=self.call_timeout_s)
         with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
             acks = []
             for b, consumers in nodes.items():
@@ -146,7 +150,7 @@ class BufferPort(ActorPort):
                 sp.bytes += piece.nbytes
                 slices = {c: (int(bounds[i]), int(bounds[i + 1])) for i, c in enumerate(consumers)}
                 acks.append(self.buffers[b].add_piece.remote(step, edge.name, me, [ray.put(piece)], slices, stage.dp))
-            ray.get(acks + reports)
+            ray.get(acks + reports, timeout=self.call_timeout_s)
             self.rpcs += 1 + len(reports) + 2 * len(acks)  # plan, reports, and a put and a call per destination node
 
     def _consumers_by_buffer(self, consumer: "Stage") -> dict[int, list[int]]:

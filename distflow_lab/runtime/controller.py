@@ -52,7 +52,7 @@ from distflow_lab.runtime.profiling import ProfileSpec
 from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
 from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport, stage_reports
-from distflow_lab.runtime.schedules import Dispatch, Lanes
+from distflow_lab.runtime.schedules import Dispatch, InFlight, Lanes
 from distflow_lab.runtime.weights import WeightBoard
 from distflow_lab.runtime.worker import WorkerSetup
 
@@ -134,7 +134,7 @@ class Controller:
             self._init_torch_distributed()
             threads = c.threads_per_worker or default_threads(c.world_size)
             if self.plan.groups:  # generation and training on disjoint workers: weights travel between them
-                self.board = WeightBoard.remote()
+                self.board = WeightBoard.remote(keep=self.config.schedule.staleness + 2)
             p = self.config.profile
             profile = ProfileSpec(p.stages, p.steps, p.directory) if p is not None else None  # absolute here
             setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.session_id, self.config.algo,
@@ -273,12 +273,16 @@ class Controller:
         return report
 
     # ---- schedules on worker groups (runtime/schedules.py) -------------------------------
-    def _lanes(self) -> Lanes:
-        """The schedule on worker groups, after the updates done so far. It reaches the
-        workers and the data plane through these calls only."""
+    def _lanes(self, resumed: dict | None = None) -> Lanes:
+        """The schedule on worker groups, after the updates done so far (or as a checkpoint's
+        `schedule` state left it). It reaches the workers and the data plane through these calls only."""
         dispatch = Dispatch(call=self._call, gather=self._gather, abort=self._abort, end_step=self.plane.end_step,
                             timeout=self._timeout)
-        return Lanes(self.plan, self.mode, self.config.schedule, dispatch, start=self.step_index)
+        if resumed is None:
+            return Lanes(self.plan, self.mode, self.config.schedule, dispatch, start=self.step_index)
+        return Lanes(self.plan, self.mode, self.config.schedule, dispatch, start=self.step_index,
+                     first_batch=resumed["next_batch"], replay=[InFlight(**f) for f in resumed["in_flight"]],
+                     dropped=resumed["dropped_batches"])
 
     def _step_on_groups(self) -> StepReport:
         """One training update: Lanes runs until one finishes (or raises a named error, with
@@ -334,11 +338,13 @@ class Controller:
         try:
             return self._run_step(step)
         except PlaneLost as e:
+            detected = time.time()
             if not self._retryable(step, e):
                 raise
             if not self._recover(step):
                 raise
-            self.retries.append({"step": step, "stage": e.stage, "worker": e.worker, "reason": e.summary})
+            self.retries.append({"step": step, "stage": e.stage, "worker": e.worker, "reason": e.summary,
+                                 "detected_at": detected})
             self._begin_step()
             return self._run_step(step)
 
@@ -540,8 +546,12 @@ class Controller:
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Trainable engines, optimizer state, loader positions and the step, between steps.
+        On worker groups also the schedule's state: the policy version, the batches generated
+        but not yet trained (with the versions they came from, whose policies the WeightBoard
+        holds and the checkpoint keeps) and the batch to read next; a resumed run replays them.
         Atomic: written to a temporary folder, checksummed in manifest.json, then renamed;
         a write killed halfway never leaves a folder that loads."""
+        self._check_usable()
         if self.next_stage != 0:
             raise RuntimeError(f"checkpoint between steps only: step {self.step_index} is at stage "
                                f"{self.next_stage}; call step() to finish it first")
@@ -549,11 +559,22 @@ class Controller:
         tmp = d.with_name(f".{d.name}.partial-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self._gather([w.save_checkpoint.remote(str(tmp)) for w in self.workers], self.step_index, "save_checkpoint",
-                     SETUP_STAGES * self.config.cluster.stage_timeout_s)
+        try:
+            schedule = self._schedule_state()
+            resume_step = schedule["next_batch"] if schedule else self.step_index
+            versions = tuple(sorted({f["version"] for f in schedule["in_flight"] if f["how"] == "replayed"})) \
+                if schedule else ()
+            self._gather([w.save_checkpoint.remote(str(tmp), self.step_index, resume_step, versions)
+                          for w in self.workers], self.step_index, "save_checkpoint",
+                         SETUP_STAGES * self.config.cluster.stage_timeout_s)
+        except StageError as e:  # a worker died or failed mid-write: the partial folder never loads
+            self.broken = (f"checkpoint {d} failed ({type(e).__name__}): call resume() to restart from the last "
+                           "complete checkpoint")
+            raise
         self.plane.save(tmp)
         (tmp / "state.json").write_text(json.dumps({"next_step": self.step_index, "mode": self.mode,
-                                                    "fingerprint": self.fingerprint()}, indent=1))
+                                                    "fingerprint": self.fingerprint(), "schedule": schedule},
+                                                   indent=1))
         write_manifest(tmp)
         if d.exists():
             old = d.with_name(f".{d.name}.old-{os.getpid()}")
@@ -564,6 +585,22 @@ class Controller:
             tmp.rename(d)
         self.last_checkpoint = d
         return d
+
+    def _schedule_state(self) -> dict | None:
+        """On worker groups: what a resumed schedule needs (see save_checkpoint); None otherwise."""
+        if self.lanes is None:
+            return None
+        try:
+            held = self.lanes.settle()
+        except StageError as e:
+            self.ledger_rows.extend(self.lanes.take_ledger())
+            self.broken = f"{type(e).__name__} while the schedule settled for a checkpoint: call resume()"
+            raise
+        return {"kind": self.config.schedule.kind, "max_staleness": self.config.schedule.staleness,
+                "policy_version": self.step_index, "next_batch": held[0].batch if held else self.lanes.next_batch,
+                "dropped_batches": self.lanes.stats.dropped,
+                "in_flight": [{"batch": f.batch, "version": f.version, "version_min": f.version_min, "how": f.how}
+                              for f in held]}
 
     def load_checkpoint(self, directory: str | Path) -> int:
         """Restore a checkpoint of this configuration; the next step() continues after it."""
@@ -582,8 +619,8 @@ class Controller:
                      SETUP_STAGES * self.config.cluster.stage_timeout_s)
         self.plane.load(d)
         self.step_index, self.next_stage = state["next_step"], 0
-        if self.lanes is not None:
-            self.lanes = self._lanes()  # the schedule continues after the loaded step
+        if self.lanes is not None:  # the schedule continues after the loaded step, replaying what was in flight
+            self.lanes = self._lanes(state.get("schedule"))
         self.last_checkpoint = d
         return self.step_index
 

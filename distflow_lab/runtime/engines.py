@@ -15,12 +15,13 @@ factory gets `StageState`, where a stage may keep its own objects between steps.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from distflow_lab.core.errors import ConfigError
-from distflow_lab.runtime.weights import PolicyWeights
+from distflow_lab.runtime.weights import PolicyWeights, SyntheticWeights
 
 
 @runtime_checkable
@@ -47,20 +48,44 @@ class WorkerEngines(Protocol):
 @dataclass
 class StageState:
     """The engines of a DAG without a factory: a stage may set `weights` (the synthetic
-    workload's policy) and keep its own objects in `scratch` between steps on this worker."""
+    workload's policy) and keep its own objects in `scratch` between steps on this worker.
+    A checkpoint keeps the policy's version (and the synthetic policy itself)."""
 
     weights: PolicyWeights | None = None
     tokenizer: Any = None
     scratch: dict[str, Any] = field(default_factory=dict)
+    rank: int = 0  # the worker's: each rank's policy is its own (a rollout group's lags the trainers')
 
     def checkpointed(self) -> dict[str, Checkpointable]:
-        return {}
+        return {f"policy_version_rank{self.rank}": _PolicyVersion(self)}
 
     def after_load(self) -> None:
         pass
 
     def close(self) -> None:
         self.scratch.clear()
+
+
+@dataclass
+class _PolicyVersion:
+    """A StageState's policy version in a checkpoint: what the synthetic policy is a function of."""
+
+    state: StageState
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        w = self.state.weights
+        spec = {"version": w.version if w is not None else 0}
+        if isinstance(w, SyntheticWeights):  # its content is a function of (size, seed, version)
+            spec.update(numel=w.numel, seed=w.seed)
+        (directory / "version.json").write_text(json.dumps(spec))
+
+    def load(self, directory: Path) -> None:
+        spec = json.loads((directory / "version.json").read_text())
+        if "numel" in spec:
+            self.state.weights = SyntheticWeights.at(spec["numel"], spec["seed"], spec["version"])
+        elif self.state.weights is not None:
+            self.state.weights.version = spec["version"]
 
 
 def check_engines(engines: Any, factory: str) -> WorkerEngines:

@@ -4,6 +4,8 @@ chosen step and stage, from a test or a notebook.
     from distflow_lab.runtime import faults
     faults.inject(session, "worker", 1, step=3, stage="old_log_prob")  # worker 1 exits mid-stage
     faults.inject(session, "buffer", 0, step=2, stage="old_log_prob")  # buffer 0 killed (Ray restarts it)
+    faults.inject(session, "board", 1, step=4, stage="actor_update")      # worker 1 kills the WeightBoard
+    faults.inject(session, "checkpoint", 0, step=5)                     # worker 0 dies halfway through a save
     faults.kill_worker(session, 2)                                      # right now
 
 The worker process really dies (os._exit), and the buffer actor is really
@@ -25,17 +27,27 @@ def _controller(session: Any) -> Controller:
     return session if isinstance(session, Controller) else session.controller
 
 
-def inject(session: Any, target: str, index: int, step: int, stage: str, by_worker: int | None = None,
-           skip: int = 0) -> None:
+def inject(session: Any, target: str, index: int, step: int, stage: str = "save_checkpoint",
+           by_worker: int | None = None, skip: int = 0, mark: str | None = None) -> None:
     """Plan a fault: when step `step` reaches stage `stage`, kill worker `index`
     (target="worker": it exits mid-stage), or DataBuffer `index` (target="buffer") or
     the coordinator (target="coordinator", index 0), killed by worker `by_worker`
-    (default 0) as the stage starts. `skip=n` lets the first n occurrences pass
-    (e.g. strike again when the step is retried)."""
+    (default 0) as the stage starts; target="board": worker `index` kills the WeightBoard
+    as the stage starts; target="checkpoint": worker `index` exits halfway through writing
+    its part of the checkpoint saved after `step` updates. `skip=n` lets the first n
+    occurrences pass (e.g. strike again when the step is retried). `mark`: a file the
+    fault writes its wall-clock time to as it strikes."""
     c = _controller(session)
-    c.plan.stage(stage)
-    if target == "worker":
-        fault = {"step": step, "stage": stage, "action": "exit", "skip": skip}
+    if target != "checkpoint":
+        c.plan.stage(stage)
+    if target in ("worker", "checkpoint", "board"):
+        if not 0 <= index < len(c.workers):
+            raise ValueError(f"no worker {index}; the session has {len(c.workers)}")
+        if target == "board" and c.board is None:
+            raise ValueError("a WeightBoard exists only on worker groups; this session is colocated")
+        action = {"worker": "exit", "checkpoint": "exit", "board": "kill_board"}[target]
+        fault = {"step": step, "stage": "save_checkpoint" if target == "checkpoint" else stage, "action": action,
+                 "skip": skip}
         w = index
     elif target in ACTOR_TARGETS:
         actors = c.plane.actors()
@@ -46,7 +58,9 @@ def inject(session: Any, target: str, index: int, step: int, stage: str, by_work
         fault = {"step": step, "stage": stage, "action": "kill_actor", "actor": index, "skip": skip}
         w = 0 if by_worker is None else by_worker
     else:
-        raise ValueError(f"target must be 'worker', 'buffer' or 'coordinator', got {target!r}")
+        raise ValueError(f"target must be 'worker', 'buffer', 'coordinator', 'board' or 'checkpoint', got {target!r}")
+    if mark is not None:
+        fault["mark"] = str(mark)
     ray.get(c.workers[w].add_faults.remote([fault]), timeout=30)
 
 

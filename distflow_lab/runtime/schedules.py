@@ -14,7 +14,8 @@ finishes, and turns every finished training segment into one StepReport:
     training update t takes the oldest ready batch r; if t - version_min(r) > k the batch
     is too stale: dropped, and counted (the hard guarantee: no sample older than k trains)
     after each update the training group publishes the policy; a generation pulls the
-    newest one when it starts (and between decode chunks, with partial rollouts)
+    version that was newest when it was launched (the pacing decides, not the moment the
+    call starts on the worker; and between decode chunks the newest, with partial rollouts)
 
 Without partial rollouts the pacing alone keeps every batch within k: a batch
 generated from version v >= r - k is trained at update r. With partial rollouts a
@@ -128,9 +129,25 @@ def segments(plan: Plan, kind: str) -> tuple[list[int], list[int]]:
     return first, second
 
 
+@dataclass(frozen=True)
+class InFlight:
+    """A batch generated but not yet trained when a checkpoint was taken: replayed after a
+    resume at the policy version it came from (`how="replayed"`), or, with partial rollouts
+    (whose sequences in flight die with the engine), generated again from the newest policy
+    (`how="regenerated"`)."""
+
+    batch: int
+    version: int
+    version_min: int
+    how: str
+
+
 class Lanes:
-    def __init__(self, plan: Plan, mode: str, schedule: ScheduleOptions, dispatch: Dispatch, start: int) -> None:
-        """`start`: the updates done so far (the controller's step index)."""
+    def __init__(self, plan: Plan, mode: str, schedule: ScheduleOptions, dispatch: Dispatch, start: int,
+                 first_batch: int | None = None, replay: list[InFlight] = (), dropped: int = 0) -> None:
+        """`start`: the updates done so far (the controller's step index); `first_batch`: the
+        first batch not yet trained (default `start`: they differ once batches were dropped);
+        `replay`: batches to generate again at their recorded versions, first (a resume)."""
         self.plan, self.mode, self.schedule, self.d = plan, mode, schedule, dispatch
         self.k = schedule.staleness
         # How many batches generation may run ahead. With partial rollouts one is enough to keep the trainer
@@ -142,11 +159,13 @@ class Lanes:
         self.gen_workers = list(plan.stages[self.gen_stages[0]].ranks)
         self.train_workers = list(plan.stages[self.train_stages[0]].ranks)
         self.edge = plan.edge_into(self.train_stages[0]).name
-        self.next_batch = self.updates = start
+        self.updates = start
+        self.next_batch = start if first_batch is None else first_batch
+        self.replay = {f.batch: f.version for f in replay if f.how == "replayed"}
         self.ready: deque[Ready] = deque()
         self.gen: Lane | None = None
         self.train: Lane | None = None
-        self.stats = LaneStats()
+        self.stats = LaneStats(dropped=dropped)
         self.stale_run = 0  # batches dropped since the last update
         self.ledger: list[dict] = []  # rows of the batches ended (trained or dropped), not yet taken
         self._last_update_end = time.time()
@@ -166,6 +185,15 @@ class Lanes:
         """The ledger rows of the batches ended since the last call (trained or dropped)."""
         rows, self.ledger = self.ledger, []
         return rows
+
+    def settle(self) -> list[InFlight]:
+        """Between updates (a checkpoint): let a generation in flight finish, and return every
+        batch generated but not yet trained, oldest first, with the versions it came from. The
+        schedule goes on as before: nothing is dropped."""
+        if self.gen is not None:
+            self._finish(self.gen)  # bounded by its deadline; a failure aborts everything and raises
+        how = "regenerated" if self.schedule.partial_rollout else "replayed"
+        return [InFlight(r.batch, r.version, r.version_min, how) for r in self.ready]
 
     def discard(self) -> list[int]:
         """Give up every batch held (generating, ready, in training) untrained, e.g. before a
@@ -198,8 +226,10 @@ class Lanes:
     def _start(self, kind: str, batch: int, update: int, stages: list[int], workers: list[int],
                trains_by: int | None = None) -> Lane:
         limit = sum(self.d.timeout(self.plan.stages[i]) for i in stages)
-        if kind == "generate":
-            refs = self.d.call("generate_segment", workers, (batch, stages, trains_by))
+        if kind == "generate":  # at the newest version now (a replayed batch: at the version it first came from)
+            replayed = batch in self.replay
+            version = self.replay.pop(batch) if replayed else self.updates
+            refs = self.d.call("generate_segment", workers, (batch, stages, trains_by, version, replayed))
         else:
             refs = self.d.call("train_segment", workers, (batch, stages))
         now = time.monotonic()

@@ -7,7 +7,9 @@ version, the generation group pulls it.
                     decode chunks): board.latest() -> newer? ray.get(ref) -> import_state
 
 The payload goes through the object store once (one put, one read per node); the
-driver and the board hold only the reference. Every sync is a `weight_sync` span
+driver and the board hold only the reference. The board keeps the last few versions
+(`keep`): a checkpoint of an async run writes the versions its batches in flight were
+generated from, and a resumed run replays those batches at exactly those versions. Every sync is a `weight_sync` span
 with its bytes, on both sides. `checksum()` lets a test check that the version a
 sync claims is the version the rollout workers hold.
 
@@ -38,17 +40,40 @@ class PolicyWeights(Protocol):
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class WeightBoard:
-    """The latest published policy: its version, the object ref of its state and checksum."""
+    """The last `keep` published policies: version -> (object refs of its state, checksum, bytes).
+    Not restarted by Ray: a board that died has lost its refs, so its death is a named error
+    (WeightBoardLost) and the run resumes from a checkpoint."""
 
-    def __init__(self) -> None:
-        self.version, self.refs, self.checksum, self.nbytes = 0, [], 0.0, 0
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = max(1, keep)
+        self.posts: dict[int, tuple[list, float, int]] = {}
 
     def post(self, version: int, refs: list, checksum: float, nbytes: int) -> None:
-        if version > self.version:  # a late post of an older version never wins
-            self.version, self.refs, self.checksum, self.nbytes = version, refs, checksum, nbytes
+        """A new version; a late post of a version older than the newest never wins."""
+        if version > self.version:
+            self.restore(version, refs, checksum, nbytes)
+
+    def restore(self, version: int, refs: list, checksum: float, nbytes: int) -> None:
+        """Put back a version (e.g. from a checkpoint), whatever the newest is."""
+        self.posts[version] = (refs, checksum, nbytes)
+        for v in sorted(self.posts)[:-self.keep]:
+            del self.posts[v]
+
+    @property
+    def version(self) -> int:
+        return max(self.posts, default=0)
 
     def latest(self) -> tuple[int, list, float, int]:
-        return self.version, self.refs, self.checksum, self.nbytes
+        v = self.version
+        refs, checksum, nbytes = self.posts.get(v, ([], 0.0, 0))
+        return v, refs, checksum, nbytes
+
+    def get(self, version: int) -> tuple[list, float, int] | None:
+        """Version `version` exactly, or None when it is not (or no longer) held."""
+        return self.posts.get(version)
+
+    def versions(self) -> list[int]:
+        return sorted(self.posts)
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
@@ -68,6 +93,14 @@ class SyntheticWeights:
         self.numel = max(1, int(mib * 2**20 / 4))
         self.seed, self.version = seed, 0
         self.tensor = self._make(0)
+
+    @classmethod
+    def at(cls, numel: int, seed: int, version: int) -> "SyntheticWeights":
+        """The policy of this size and seed at `version` (what a checkpoint restores)."""
+        w = cls.__new__(cls)
+        w.numel, w.seed = numel, seed
+        w.bump(version)
+        return w
 
     def _make(self, version: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed)

@@ -24,10 +24,11 @@ from typing import Any, Callable
 import numpy as np
 import ray
 import torch
+from ray.exceptions import RayError
 
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ScheduleOptions
-from distflow_lab.core.errors import StageContractError, StageError
+from distflow_lab.core.errors import StageContractError, StageError, WeightBoardLost
 from distflow_lab.core.spans import SpanRecorder
 from distflow_lab.dataplane.interface import WorkerPort, WorkerSpec
 from distflow_lab.dataplane.routing import item_lengths
@@ -80,12 +81,13 @@ class DAGWorker:
         self.rec = SpanRecorder(rank, self.node)
         self.port: WorkerPort | None = None
         self.outputs: dict[str, Batch] = {}
-        self.engines: WorkerEngines = StageState()
+        self.engines: WorkerEngines = StageState(rank=rank)
         self.loader: ShardedLoader | None = None
         self.groups: dict[str, Any] = {}
         self.faults: list[dict] = []
         self.note: ProgressNote | None = None
         self._loader_at_step_start: dict | None = None
+        self._loader_at: dict[int, dict] = {}  # loader state at each recent step's start (async checkpoints)
         self._version_min: int | None = None
         self._trains_by: int | None = None  # set during a generation segment (async schedules)
         self.dist_base = 0  # the DAG rank of this worker's torch.distributed rank 0 (worker groups: per group)
@@ -139,11 +141,12 @@ class DAGWorker:
     def _reset(self) -> None:
         self._clear_step()
         self.engines.close()
-        self.engines, self.loader, self.faults = StageState(), None, []
+        self.engines, self.loader, self.faults = StageState(rank=self.rank), None, []
         if self.note is not None:
             self.note.close()
             self.note = None
         self._loader_at_step_start = None  # a reused worker must not restore the last plan's loader
+        self._loader_at = {}
         self.rec.take()
 
     def init_process_group(self, master_addr: str, port: int, backend: str = "gloo", timeout_s: float = 300.0,
@@ -189,13 +192,16 @@ class DAGWorker:
         return results
 
     # ---- weight sync between groups (see weights.py) ----------------------------------
-    def generate_segment(self, step: int, stages: list[int], trains_by: int | None = None) -> dict:
-        """A generation segment: pull the newest published policy, then run the stages.
-        `trains_by` is the latest update the batch will train at (the rollout ages out
-        sequences that would be too stale by then). Returns the results and the policy
+    def generate_segment(self, step: int, stages: list[int], trains_by: int | None = None,
+                         version: int | None = None, replayed: bool = False) -> dict:
+        """A generation segment: pull policy `version` (the newest when the driver launched it,
+        so the pacing, not the moment the call starts, decides; None: the newest now), then run
+        the stages. `replayed`: a batch generated again after a resume, at exactly the version it
+        first came from. `trains_by` is the latest update the batch will train at (the rollout
+        ages out sequences that would be too stale by then). Returns the results and the policy
         version every row of its output came from (`version_min`: the oldest token's)."""
         first = self.plan.stages[stages[0]]
-        self.pull_weights(step, first.id)
+        self.pull_weights(step, first.id, version, strict=replayed)
         self._version_min, self._trains_by = None, trains_by
         try:
             results = self.run_segment(step, stages)
@@ -229,20 +235,41 @@ class DAGWorker:
             checksum = state_checksum(state) if state is not None else 0.0
             if state is not None and last.dp_rank(self.rank) == 0 and last.group_rank(self.rank) == 0:
                 sp.bytes = state_bytes(state)
-                ray.get(self.s.board.post.remote(w.version, [ray.put(state)], checksum, sp.bytes), timeout=60)
+                self._board(step, last.id, "post", lambda b: b.post.remote(w.version, [ray.put(state)], checksum,
+                                                                           sp.bytes))
         return checksum
 
-    def pull_weights(self, step: int, stage: str) -> int:
-        """Load the newest published policy if it is newer than ours; returns our version.
-        A stage function calls it between decode chunks for partial rollouts."""
+    def pull_weights(self, step: int, stage: str, version: int | None = None, strict: bool = False) -> int:
+        """Load policy `version` if the board holds it (None, or not held: the newest published,
+        if newer than ours); returns our version. `strict`: exactly `version`, or
+        WeightBoardLost. A stage function calls it between decode chunks for partial rollouts."""
         w = self.engines.weights
         if w is None or self.s.board is None:
             return 0
-        version, refs, _, nbytes = ray.get(self.s.board.latest.remote(), timeout=60)
-        if version > w.version and refs:
+        held = None if version is None else self._board(step, stage, f"get({version})", lambda b: b.get.remote(version))
+        if held is None and strict:
+            raise WeightBoardLost(f"stage {stage!r} (worker {self.rank}, step {step}) must replay its batch at "
+                                  f"policy version {version}, which the WeightBoard no longer holds", step=step,
+                                  stage=stage, worker=self.rank)
+        if held is None:
+            version, refs, _, nbytes = self._board(step, stage, "latest", lambda b: b.latest.remote())
+            newer = version > w.version and refs
+        else:  # never back to an older one; but a replay loads even our version (a restored rollout's may differ)
+            (refs, _, nbytes), newer = held, version > w.version or strict
+        if newer:
             with self.rec.span(step, stage, "weight_sync", bytes=nbytes):
-                w.import_state(ray.get(refs[0], timeout=60), version)
+                w.import_state(self._board(step, stage, f"policy v{version}", lambda _: refs[0]), version)
         return w.version
+
+    def _board(self, step: int, stage: str, what: str, call: Callable[[Any], Any]) -> Any:
+        """A call to the WeightBoard (or a read of a policy it points to), bounded; its loss is
+        WeightBoardLost naming the stage, worker and step, never a raw Ray error."""
+        try:
+            return ray.get(call(self.s.board), timeout=60)
+        except RayError as e:
+            raise WeightBoardLost(f"the WeightBoard or the policy it points to is lost ({what}: {type(e).__name__}) "
+                                  f"in stage {stage!r} (worker {self.rank}, step {step}); call resume()", step=step,
+                                  stage=stage, worker=self.rank) from None
 
     def run_stage(self, step: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
         """One stage: fetch, compute, publish. Returns this worker's account and the
@@ -251,10 +278,11 @@ class DAGWorker:
         t0 = time.perf_counter()
         if index == self.mine[0]:
             self._start_step(step)
-        self._maybe_fault(step, st, "kill_actor")  # before the input: the fetch meets the dead actor
+        self._maybe_fault(step, st.id, "kill_actor")  # before the input: the fetch meets the dead actor
+        self._maybe_fault(step, st.id, "kill_board")
         edge_in, edge_out = self.plan.edge_into(index), self.plan.edge_out_of(index)
         got = self.port.fetch(step, st, edge_in, self.plan.stages[edge_in.src] if edge_in else None, arg)
-        self._maybe_fault(step, st, "exit")  # mid-stage: input fetched, compute not done
+        self._maybe_fault(step, st.id, "exit")  # mid-stage: input fetched, compute not done
         out, ctx = self._compute(step, st, got.batch)
         handoff = self.port.publish(step, st, edge_out, self.plan.stages[edge_out.dst] if edge_out else None,
                                     out, got.batch)
@@ -358,6 +386,9 @@ class DAGWorker:
         self.port.begin_step(step)
         if self.loader is not None:  # where this step's data starts, should the step be retried
             self._loader_at_step_start = self.loader.state_dict()
+            self._loader_at[step] = self._loader_at_step_start  # and for a checkpoint taken while it is in flight
+            for old in sorted(self._loader_at)[:-16]:
+                del self._loader_at[old]
 
     def rewind(self) -> bool:
         """Undo the current step's data loading so the same step can run again."""
@@ -367,36 +398,64 @@ class DAGWorker:
         return True
 
     def add_faults(self, faults: list[dict]) -> int:
-        """Planned faults: {"step", "stage", "action": "exit" | "kill_actor", "actor": i, "skip": n}.
-        Real ones: "exit" ends this worker's process mid-stage; "kill_actor" kills data-plane
-        actor i (a DataBuffer, or the coordinator); Ray restarts it."""
+        """Planned faults: {"step", "stage", "action": "exit" | "kill_actor" | "kill_board", "actor": i,
+        "skip": n, "mark": path}. Real ones: "exit" ends this worker's process mid-stage (stage
+        "save_checkpoint": halfway through writing its part of a checkpoint); "kill_actor" kills
+        data-plane actor i (a DataBuffer, or the coordinator; Ray restarts it); "kill_board" kills
+        the WeightBoard. `mark`: a file the fault writes its wall-clock time to as it strikes
+        (detection latency)."""
         self.faults.extend(faults)
         return len(self.faults)
 
-    def _maybe_fault(self, step: int, st: Stage, action: str) -> None:
+    def _maybe_fault(self, step: int, stage: str, action: str) -> None:
         if not self.faults:
             return
         for f in list(self.faults):
-            if f["step"] == step and f["stage"] == st.id and f["action"] == action:
+            if f["step"] == step and f["stage"] == stage and f["action"] == action:
                 if f.get("skip", 0) > 0:  # e.g. skip=1: strike on the retry, not the first attempt
                     f["skip"] -= 1
                     continue
                 self.faults.remove(f)
+                if f.get("mark"):
+                    Path(f["mark"]).write_text(repr(time.time()))
                 if action == "exit":
                     os._exit(1)
-                self.port.kill_actor(f.get("actor", 0))
+                if action == "kill_board":
+                    ray.kill(self.s.board)
+                else:
+                    self.port.kill_actor(f.get("actor", 0))
 
     # ---- checkpoints -----------------------------------------------------------------
-    def save_checkpoint(self, directory: str) -> list[str]:
-        """Trainable engines (collective: every worker calls) and this rank's loader position."""
+    def save_checkpoint(self, directory: str, step: int = 0, resume_step: int | None = None,
+                        board_versions: tuple[int, ...] = ()) -> list[str]:
+        """Trainable engines (collective: every worker calls), this rank's loader position and,
+        on the generation group's first worker, the policies of `board_versions` (those the
+        batches in flight came from). `resume_step`: the first step (batch) not yet trained;
+        the loader is saved where that step's data started, so a resumed run reads it again."""
         d = Path(directory)
         saved = []
         for name, e in self.engines.checkpointed().items():
             e.save(d / name)
             saved.append(name)
+        self._maybe_fault(step, "save_checkpoint", "exit")  # halfway: engines written, the rest not
         if self.loader is not None and self.plan.stages[0].group_rank(self.rank) == 0:
             d.mkdir(parents=True, exist_ok=True)
-            (d / f"loader_dp{self.loader.dp_rank}.json").write_text(json.dumps(self.loader.state_dict()))
+            state = self._loader_at.get(resume_step, self.loader.state_dict()) if resume_step is not None \
+                else self.loader.state_dict()
+            (d / f"loader_dp{self.loader.dp_rank}.json").write_text(json.dumps(state))
+        if board_versions and self.rank == self.plan.stages[0].ranks[0]:
+            (d / "board").mkdir(parents=True, exist_ok=True)
+            for v in board_versions:
+                held = self._board(step, "save_checkpoint", f"get({v})", lambda b: b.get.remote(v))
+                if held is None:
+                    raise WeightBoardLost(f"checkpoint at step {step}: the WeightBoard no longer holds policy version "
+                                          f"{v}, which a batch in flight came from", step=step,
+                                          stage="save_checkpoint", worker=self.rank)
+                refs, checksum, nbytes = held
+                state = self._board(step, "save_checkpoint", f"policy v{v}", lambda _: refs[0])
+                torch.save({"version": v, "state": state, "checksum": checksum, "nbytes": nbytes},
+                           d / "board" / f"v{v:06d}.pt")
+            saved.append("board")
         return saved
 
     def load_checkpoint(self, directory: str) -> list[str]:
@@ -408,9 +467,17 @@ class DAGWorker:
                 loaded.append(name)
         self.engines.after_load()
         w = self.engines.weights
-        if w is not None and self.s.board is not None and w.version > 0 and self.mine:
+        trains = bool(self.mine) and self.plan.stages[self.mine[-1]].type == "train"
+        if w is not None and self.s.board is not None and w.version > 0 and trains:
             self._publish(w.version, self.plan.stages[self.mine[-1]])  # the rollout group pulls the loaded policy
             self.rec.take()
+        if self.s.board is not None and (d / "board").is_dir() and self.rank == self.plan.stages[0].ranks[0]:
+            for f in sorted((d / "board").glob("v*.pt")):  # the policies the batches in flight are replayed at
+                b = torch.load(f, weights_only=True)
+                self._board(0, "load_checkpoint", f"restore v{b['version']}",
+                            lambda board: board.restore.remote(b["version"], [ray.put(b["state"])], b["checksum"],
+                                                               b["nbytes"]))
+            loaded.append("board")
         if self.loader is not None:
             f = d / f"loader_dp{self.loader.dp_rank}.json"
             if not f.exists():

@@ -28,9 +28,9 @@ from distflow_lab.runtime.cluster import connect
 
 def one_step(coord, step: int, producers: int, consumers: int, lengths: list[np.ndarray], ref) -> None:
     ray.get([coord.publish.remote(step, "e", p, lengths[p], [ref] * len(lengths[p]), 1, producers, consumers,
-                                  Routing(Balance.LPT)) for p in range(producers)])
-    ray.get([coord.get_meta.remote(step, "e", c, True) for c in range(consumers)])
-    ray.get(coord.end_step.remote(step))
+                                  Routing(Balance.LPT)) for p in range(producers)], timeout=120)
+    ray.get([coord.get_meta.remote(step, "e", c, True) for c in range(consumers)], timeout=120)
+    ray.get(coord.end_step.remote(step), timeout=120)
 
 
 def measure(producers: int, consumers: int, items: int, steps: int, seed: int = 0) -> dict:
@@ -42,11 +42,11 @@ def measure(producers: int, consumers: int, items: int, steps: int, seed: int = 
         one_step(coord, -1, producers, consumers, lengths, ref)  # warm-up
         walls, busy = [], []
         for step in range(steps):
-            before = ray.get(coord.stats.remote())["busy_s"]
+            before = ray.get(coord.stats.remote(), timeout=60)["busy_s"]
             t0 = time.perf_counter()
             one_step(coord, step, producers, consumers, lengths, ref)
             walls.append(time.perf_counter() - t0)
-            busy.append(ray.get(coord.stats.remote())["busy_s"] - before)
+            busy.append(ray.get(coord.stats.remote(), timeout=60)["busy_s"] - before)
     finally:
         ray.kill(coord)
     w, b = summarize(np.asarray(walls) * 1e3), summarize(np.asarray(busy) * 1e3)

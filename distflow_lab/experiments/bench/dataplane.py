@@ -76,11 +76,11 @@ def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, pool: 
 def call_latency_s(s: Session, calls: int = 30) -> float:
     """Median round trip of an empty actor call (driver -> worker 0 -> driver), this run, this machine."""
     w = s.workers[0]
-    ray.get(w.ping.remote())
+    ray.get(w.ping.remote(), timeout=60)
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        ray.get(w.ping.remote())
+        ray.get(w.ping.remote(), timeout=60)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 

@@ -61,7 +61,7 @@ def measure(context: int, mode: str, workers: int, prompts: int, n: int, steps: 
                          "bytes_moved": int(row["bytes_moved"]), "reward": rep.metrics.get("reward/mean", math.nan),
                          "rollout_share": float(rollout["seconds"].max() / rep.wall_seconds) if len(rollout) else 0.0,
                          "sync_s": float(sync.groupby("worker")["seconds"].sum().max()) if len(sync) else 0.0})
-        peaks = ray.get([w.memory.remote() for w in s.workers])
+        peaks = ray.get([w.memory.remote() for w in s.workers], timeout=60)
     tps = summarize(r["tokens"] / r["wall_s"] for r in rows)
     return {"engine": engine, "mode": mode, "context": context, "workers": workers, "rows_per_step": prompts * n,
             "rollout_share_median": summarize(r["rollout_share"] for r in rows)["median"],

@@ -34,7 +34,7 @@ def object_store_bytes() -> int:
 
 
 def sample(session, step: int) -> dict:
-    workers = ray.get([w.memory.remote() for w in session.workers])
+    workers = ray.get([w.memory.remote() for w in session.workers], timeout=60)
     rss = [w["rss"] for w in workers]
     return {"step": step, "driver_rss": psutil.Process().memory_info().rss, "worker_rss_max": max(rss),
             "worker_rss_mean": float(np.mean(rss)), "object_store": object_store_bytes()}
@@ -119,7 +119,7 @@ class PeakRSS:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=10 * self.every_s + 1)  # it wakes every every_s
         self.peak = max(self.peak, psutil.Process().memory_info().rss)
 
     @property

@@ -34,7 +34,7 @@ class Peer:
 
     def get(self, refs: list) -> tuple[float, bool]:
         t0 = time.perf_counter()
-        obj = ray.get(refs[0])
+        obj = ray.get(refs[0], timeout=120)
         t = time.perf_counter() - t0
         first = next(iter((obj.tensors if isinstance(obj, Batch) else obj).values()))
         return t, isinstance(first, torch.Tensor)
@@ -60,8 +60,8 @@ def run(mibs: list[int], repeats: int = 7, json_path: str | None = None) -> list
         for mib in mibs:
             puts, gets = [], []
             for _ in range(repeats):
-                p, refs = ray.get(writer.put.remote(mib, as_batch))
-                g, ok = ray.get(reader.get.remote(refs))
+                p, refs = ray.get(writer.put.remote(mib, as_batch), timeout=300)
+                g, ok = ray.get(reader.get.remote(refs), timeout=300)
                 puts.append(p)
                 gets.append(g)
                 del refs
