@@ -294,7 +294,7 @@ def audit(r: SoakReport, kept: dict[int, Update], k: int | None) -> None:
     gaps = len(set(range(batches[-1] + 1)) - set(batches)) if batches else 0
     rows = max((len(u.produced) for u in kept.values()), default=0)
     r.items_lost += max(0, gaps - r.batches_dropped) * rows  # a batch neither trained nor counted as dropped
-    r.items_duplicated += (len(batches) - len(set(batches))) * rows if len(batches) != len(set(batches)) else 0
+    r.items_duplicated += (len(batches) - len(set(batches))) * rows  # a batch trained in two updates
     ages = [t - v for t, u in kept.items() for v in u.versions if v >= 0]
     r.staleness_max = int(max(ages, default=0))
     r.staleness_ok = k is None or r.staleness_max <= k
@@ -359,29 +359,26 @@ def drive(session: Any, r: SoakReport, steps: int, plan: list[Fault], root: Path
                 bar.refresh()
                 if (rep.step + 1) % checkpoint_every == 0 and rep.step + 1 < steps:
                     save(rep.step + 1)
-            except FriendlyError as e:
-                now = time.time()
-                r.named_errors[type(e).__name__] = r.named_errors.get(type(e).__name__, 0) + 1
-                for f in _fired(plan):
-                    f.detected_at, f.error = now, type(e).__name__
+            except _Hang:
+                raise
+            except Exception as e:  # noqa: BLE001 - a named error is recovered; a raw one is also counted
+                name = type(e).__name__
+                if isinstance(e, FriendlyError):
+                    r.named_errors[name] = r.named_errors.get(name, 0) + 1
+                    now = time.time()
+                    for f in _fired(plan):
+                        f.detected_at, f.error = now, name
+                else:
+                    r.raw_exceptions.append(f"step {t}: {name}: {str(e)[:300]}")
                 attempts[t] += 1
                 if attempts[t] > max_retries:
                     raise SoakFailed(f"soak {r.mode}/{r.schedule}: step {t} failed {attempts[t]} times; the last: "
-                                     f"{type(e).__name__}: {getattr(e, 'summary', e)}") from None
-                if c.broken or c.placement is None:
+                                     f"{name}: {getattr(e, 'summary', e)}") from None
+                if c.broken or c.placement is None or not isinstance(e, FriendlyError):
                     _resume(session, r, kept, root, pool, setup_limit, max_retries)
                     arm(session, plan, c.step_index)
                 else:
                     r.steps_retried += 1
-            except _Hang:
-                raise
-            except Exception as e:  # noqa: BLE001 - a raw exception reaching the user is what we count
-                r.raw_exceptions.append(f"step {t}: {type(e).__name__}: {str(e)[:300]}")
-                attempts[t] += 1
-                if attempts[t] > max_retries:
-                    raise SoakFailed(f"soak: step {t} raised {type(e).__name__} {attempts[t]} times") from None
-                _resume(session, r, kept, root, pool, setup_limit, max_retries)
-                arm(session, plan, c.step_index)
             for x in c.retries[seen_retries:]:  # steps the controller retried itself (a data-plane actor died)
                 r.steps_retried += 1
                 for f in _fired(plan):

@@ -21,6 +21,7 @@ test can show which modes move payloads through it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -278,11 +279,9 @@ class Controller:
         `schedule` state left it). It reaches the workers and the data plane through these calls only."""
         dispatch = Dispatch(call=self._call, gather=self._gather, abort=self._abort, end_step=self.plane.end_step,
                             timeout=self._timeout)
-        if resumed is None:
-            return Lanes(self.plan, self.mode, self.config.schedule, dispatch, start=self.step_index)
-        return Lanes(self.plan, self.mode, self.config.schedule, dispatch, start=self.step_index,
-                     first_batch=resumed["next_batch"], replay=[InFlight(**f) for f in resumed["in_flight"]],
-                     dropped=resumed["dropped_batches"])
+        at = {} if resumed is None else {"first_batch": resumed["next_batch"], "dropped": resumed["dropped_batches"],
+                                         "replay": [InFlight(**f) for f in resumed["in_flight"]]}
+        return Lanes(self.plan, self.mode, self.config.schedule, dispatch, start=self.step_index, **at)
 
     def _step_on_groups(self) -> StepReport:
         """One training update: Lanes runs until one finishes (or raises a named error, with
@@ -598,9 +597,7 @@ class Controller:
             raise
         return {"kind": self.config.schedule.kind, "max_staleness": self.config.schedule.staleness,
                 "policy_version": self.step_index, "next_batch": held[0].batch if held else self.lanes.next_batch,
-                "dropped_batches": self.lanes.stats.dropped,
-                "in_flight": [{"batch": f.batch, "version": f.version, "version_min": f.version_min, "how": f.how}
-                              for f in held]}
+                "dropped_batches": self.lanes.stats.dropped, "in_flight": [dataclasses.asdict(f) for f in held]}
 
     def load_checkpoint(self, directory: str | Path) -> int:
         """Restore a checkpoint of this configuration; the next step() continues after it."""

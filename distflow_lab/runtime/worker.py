@@ -246,11 +246,8 @@ class DAGWorker:
         w = self.engines.weights
         if w is None or self.s.board is None:
             return 0
-        held = None if version is None else self._board(step, stage, f"get({version})", lambda b: b.get.remote(version))
-        if held is None and strict:
-            raise WeightBoardLost(f"stage {stage!r} (worker {self.rank}, step {step}) must replay its batch at "
-                                  f"policy version {version}, which the WeightBoard no longer holds", step=step,
-                                  stage=stage, worker=self.rank)
+        held = None if version is None else self._held(step, stage, version, "its replayed batch must be generated "
+                                                                             "from" if strict else None)
         if held is None:
             version, refs, _, nbytes = self._board(step, stage, "latest", lambda b: b.latest.remote())
             newer = version > w.version and refs
@@ -260,6 +257,16 @@ class DAGWorker:
             with self.rec.span(step, stage, "weight_sync", bytes=nbytes):
                 w.import_state(self._board(step, stage, f"policy v{version}", lambda _: refs[0]), version)
         return w.version
+
+    def _held(self, step: int, stage: str, version: int, needed_because: str | None = None) -> tuple | None:
+        """(refs, checksum, bytes) of policy `version` as the WeightBoard holds it; None when it does
+        not, or WeightBoardLost when `needed_because` says why it must."""
+        held = self._board(step, stage, f"get({version})", lambda b: b.get.remote(version))
+        if held is None and needed_because:
+            raise WeightBoardLost(f"stage {stage!r} (worker {self.rank}, step {step}): the WeightBoard no longer holds "
+                                  f"policy version {version}, which {needed_because}", step=step, stage=stage,
+                                  worker=self.rank)
+        return held
 
     def _board(self, step: int, stage: str, what: str, call: Callable[[Any], Any]) -> Any:
         """A call to the WeightBoard (or a read of a policy it points to), bounded; its loss is
@@ -446,12 +453,7 @@ class DAGWorker:
         if board_versions and self.rank == self.plan.stages[0].ranks[0]:
             (d / "board").mkdir(parents=True, exist_ok=True)
             for v in board_versions:
-                held = self._board(step, "save_checkpoint", f"get({v})", lambda b: b.get.remote(v))
-                if held is None:
-                    raise WeightBoardLost(f"checkpoint at step {step}: the WeightBoard no longer holds policy version "
-                                          f"{v}, which a batch in flight came from", step=step,
-                                          stage="save_checkpoint", worker=self.rank)
-                refs, checksum, nbytes = held
+                refs, checksum, nbytes = self._held(step, "save_checkpoint", v, "a batch in flight came from")
                 state = self._board(step, "save_checkpoint", f"policy v{v}", lambda _: refs[0])
                 torch.save({"version": v, "state": state, "checksum": checksum, "nbytes": nbytes},
                            d / "board" / f"v{v:06d}.pt")
