@@ -3,7 +3,7 @@
     distflow-lab run CONFIG|PRESET [--mode M] [--steps N] [--out DIR] [--overwrite] [--resume] [key=value ...]
     distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR] [--overwrite]
     distflow-lab bench dataplane|balance|serialization|memory|e2e [...]
-    distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F]
+    distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F] [--override K=V ..]
     distflow-lab data gsm8k|arithmetic [...]
 
 Arguments and configs are parsed and checked first, with light imports only:
@@ -192,8 +192,14 @@ def cmd_soak(a: argparse.Namespace) -> int:
                          "--mode centralized runs sync only")
     from distflow_lab.experiments import soak
 
+    if a.override:
+        if a.engine == ("synthetic",):
+            raise UsageError("--override applies to the tiny GRPO; pass --engine hf or vllm")
+        from distflow_lab.api.runner import load_run_config
+
+        load_run_config("tiny-cpu-grpo", a.override)  # a bad key or value fails here, before Ray starts
     reports = soak.run(list(a.mode), list(a.schedule), list(a.engine), a.steps, a.fault_every, a.seed, a.json,
-                       a.max_staleness)
+                       a.max_staleness, a.override)
     return 0 if all(r["ok"] for r in reports) else 1
 
 
@@ -343,6 +349,8 @@ def parser() -> argparse.ArgumentParser:
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--json", help="write the reports here")
     sk.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+    sk.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override of the tiny GRPO, engines hf and vllm (repeatable)")
     sk.set_defaults(fn=cmd_soak)
 
     dt = sub.add_parser("data", help="write datasets as verl-schema parquet")

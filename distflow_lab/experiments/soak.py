@@ -479,8 +479,9 @@ def check(mode: str, schedule: str, engine: str, steps: int, fault_every: float,
 
 
 def run(modes: list[str], schedules: list[str], engines: list[str], steps: int, fault_every: float, seed: int,
-        json_path: str | None, max_staleness: int = 2) -> list[dict]:
-    """`distflow-lab soak`: every (mode, schedule, engine) given that can run; prints the table."""
+        json_path: str | None, max_staleness: int = 2, overrides: list[str] = ()) -> list[dict]:
+    """`distflow-lab soak`: every (mode, schedule, engine) given that can run; prints the table.
+    The JSON is rewritten after every configuration, so a long soak stopped early keeps what it ran."""
     from distflow_lab.experiments.bench.common import print_table, write_json
 
     reports = []
@@ -489,14 +490,15 @@ def run(modes: list[str], schedules: list[str], engines: list[str], steps: int, 
             for mode in modes:
                 if schedule != "sync" and mode == "centralized":
                     continue
-                rep = soak(mode, schedule, engine, steps, fault_every, seed, max_staleness)
-                reports.append(rep.to_dict())
+                rep = soak(mode, schedule, engine, steps, fault_every, seed, max_staleness,
+                           overrides=overrides if engine != "synthetic" else ())
+                reports.append({**rep.to_dict(), "overrides": list(overrides) if engine != "synthetic" else []})
                 print(rep, flush=True)
+                write_json(reports, json_path)
     cols = ["mode", "schedule", "engine", "steps", "faults", "detected", "steps_retried", "resumes", "raw_exceptions",
             "hangs", "items_lost", "items_duplicated", "staleness_max", "metrics_equal", "detect_p50_s",
             "detect_max_s", "wall_s", "ok"]
     print_table(reports, cols, title="chaos soak")
-    write_json(reports, json_path)
     if not all(x["ok"] for x in reports):
         print("NOT ok: " + json.dumps([{k: x[k] for k in ("mode", "schedule", "engine", "stopped")}
                                        for x in reports if not x["ok"]]))
