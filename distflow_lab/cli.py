@@ -190,14 +190,15 @@ def cmd_soak(a: argparse.Namespace) -> int:
     if all(m == "centralized" for m in a.mode) and all(x != "sync" for x in a.schedule):
         raise UsageError(f"--schedule {','.join(a.schedule)} needs the coordinator or distributed data plane; "
                          "--mode centralized runs sync only")
-    from distflow_lab.experiments import soak
-
     if a.override:
         if a.engine == ("synthetic",):
             raise UsageError("--override applies to the tiny GRPO; pass --engine hf or vllm")
-        from distflow_lab.api.runner import load_run_config
+        from distflow_lab.algos.registry import with_defaults
+        from distflow_lab.core.config import parse_run_config
 
-        load_run_config("tiny-cpu-grpo", a.override)  # a bad key or value fails here, before Ray starts
+        with_defaults(parse_run_config("tiny-cpu-grpo", a.override))  # a bad key fails here, before Ray starts
+    from distflow_lab.experiments import soak  # the heavy part: torch, Ray
+
     reports = soak.run(list(a.mode), list(a.schedule), list(a.engine), a.steps, a.fault_every, a.seed, a.json,
                        a.max_staleness, a.override)
     return 0 if all(r["ok"] for r in reports) else 1

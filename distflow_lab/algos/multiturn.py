@@ -18,9 +18,7 @@ import torch
 from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
 from distflow_lab.algos.streaming import partial_rollouts
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import RunConfig
-from distflow_lab.core.errors import ConfigError
-from distflow_lab.models.environment import env_class, parse_options
+from distflow_lab.models.environment import env_class
 from distflow_lab.models.environment_pool import EnvPool
 from distflow_lab.models.rollout_multiturn import MultiTurnRollout
 from distflow_lab.models.rollout_stream import HFStreamingRollout, StaleRule
@@ -30,20 +28,6 @@ from distflow_lab.models.sequences import tokenize_prompts
 from distflow_lab.runtime.context import StageContext
 
 POLL_EVERY = 4  # decode iterations between collecting environment answers
-
-
-def check_multi_turn(cfg: RunConfig) -> None:
-    """Before any worker starts: the environment exists, its options parse, the algorithm can run it."""
-    mt = cfg.rollout.multi_turn
-    if mt is None:
-        return
-    try:
-        parse_options(mt.env, mt.options)  # names the environment and the key
-    except ConfigError as e:
-        raise ConfigError(f"rollout.multi_turn: {e}") from None
-    if mt.max_turn_tokens > cfg.rollout.max_response_len:
-        raise ConfigError(f"rollout.multi_turn.max_turn_tokens={mt.max_turn_tokens} is more than the trajectory's "
-                          f"budget rollout.max_response_len={cfg.rollout.max_response_len}")
 
 
 def multi_turn_rollout(batch: Batch, ctx: StageContext) -> Batch:

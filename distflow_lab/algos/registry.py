@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from distflow_lab.core.config import ConfigError, RunConfig
 from distflow_lab.graph.nodes import resolve_function
+from distflow_lab.models.environment import parse_options
 
 if TYPE_CHECKING:
     from distflow_lab.graph.dag import DAG
@@ -75,10 +76,21 @@ def check_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.dapo.{field}: DAPO's switches have no meaning for algorithm {name!r}")
     if ALGORITHMS[name].check is not None:
         ALGORITHMS[name].check(cfg)
-    if cfg.rollout.multi_turn is not None:
-        from distflow_lab.algos.multiturn import check_multi_turn  # torch and Ray: only when asked for
+    check_multi_turn(cfg)
 
-        check_multi_turn(cfg)
+
+def check_multi_turn(cfg: RunConfig) -> None:
+    """Before any worker starts: the environment exists, its options parse, the algorithm can run it."""
+    mt = cfg.rollout.multi_turn
+    if mt is None:
+        return
+    try:
+        parse_options(mt.env, mt.options)  # names the environment and the key
+    except ConfigError as e:
+        raise ConfigError(f"rollout.multi_turn: {e}") from None
+    if mt.max_turn_tokens > cfg.rollout.max_response_len:
+        raise ConfigError(f"rollout.multi_turn.max_turn_tokens={mt.max_turn_tokens} is more than the trajectory's "
+                          f"budget rollout.max_response_len={cfg.rollout.max_response_len}")
 
 
 def with_defaults(cfg: RunConfig) -> RunConfig:
