@@ -101,14 +101,12 @@ def check_bench_shape(workers: list[int], batch: int, n: int, rollout_tp: int) -
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from distflow_lab.algos.registry import with_defaults
-    from distflow_lab.core.config import parse_run_config
-
+    from distflow_lab.algos.registry import load_run_config
     from distflow_lab.api.run_dirs import run_dir
     from distflow_lab.datasets.schema import read_table, validate_table
 
     overrides = list(a.overrides) + ([f"mode={a.mode}"] if a.mode else [])
-    cfg = with_defaults(parse_run_config(a.config, overrides))
+    cfg = load_run_config(a.config, overrides)
     run_dir(cfg, a.out, a.overwrite, a.resume)  # refuse to replace a run before anything starts
     if cfg.data.train not in GENERATED_DATA:  # a given file: check it now, not after the imports
         validate_table(read_table(cfg.data.train), cfg.data.train)
@@ -193,10 +191,9 @@ def cmd_soak(a: argparse.Namespace) -> int:
     if a.override:
         if a.engine == ("synthetic",):
             raise UsageError("--override applies to the tiny GRPO; pass --engine hf or vllm")
-        from distflow_lab.algos.registry import with_defaults
-        from distflow_lab.core.config import parse_run_config
+        from distflow_lab.algos.registry import load_run_config
 
-        with_defaults(parse_run_config("tiny-cpu-grpo", a.override))  # a bad key fails here, before Ray starts
+        load_run_config("tiny-cpu-grpo", a.override)  # a bad key fails here, before Ray starts
     from distflow_lab.experiments import soak  # the heavy part: torch, Ray
 
     reports = soak.run(list(a.mode), list(a.schedule), list(a.engine), a.steps, a.fault_every, a.seed, a.json,

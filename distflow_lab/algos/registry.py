@@ -8,9 +8,10 @@ builder, and one line in ALGORITHMS.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from distflow_lab.core.config import ConfigError, RunConfig
+from distflow_lab.core.config import ConfigError, RunConfig, parse_run_config
 from distflow_lab.graph.nodes import resolve_function
 from distflow_lab.models.environment import parse_options
 
@@ -108,6 +109,12 @@ def with_defaults(cfg: RunConfig) -> RunConfig:
         return cfg
     default = ALGORITHMS[cfg.algorithm.name].estimators[0]
     return cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"adv_estimator": default})})
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """A RunConfig from a YAML file or preset plus `a.b=value` overrides, checked against
+    the schema, the sizes and the algorithm registry; nothing is started."""
+    return with_defaults(parse_run_config(path, overrides))
 
 
 def build_dag(cfg: RunConfig, data_path: str) -> "DAG":

@@ -17,11 +17,11 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 
-from distflow_lab.algos.registry import build_dag, with_defaults
+from distflow_lab.algos.registry import build_dag, load_run_config, with_defaults  # noqa: F401 (re-exported)
 from distflow_lab.algos.sft import warm_start
 from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.api.session import Session
-from distflow_lab.core.config import ConfigError, RunConfig, parse_run_config
+from distflow_lab.core.config import ConfigError, RunConfig
 from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
 from distflow_lab.datasets.guess_number import write_guess_number_parquet
 from distflow_lab.datasets.long_tail import write_long_tail_parquet
@@ -33,12 +33,6 @@ from distflow_lab.observe.report import write_report
 from distflow_lab.observe.trace import to_chrome_trace
 from distflow_lab.observe.trackers import close_all, log_step, make_loggers
 from distflow_lab.runtime.checkpoint_files import latest_checkpoint
-
-
-def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """A RunConfig from a YAML file or preset plus `a.b=value` overrides, checked against
-    the schema, the sizes and the algorithm registry; nothing is started."""
-    return with_defaults(parse_run_config(path, overrides))
 
 
 def prepare_data(cfg: RunConfig) -> str:
