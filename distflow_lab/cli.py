@@ -2,7 +2,7 @@
 
     distflow-lab run CONFIG|PRESET [--mode M] [--steps N] [--out DIR] [--overwrite] [--resume] [key=value ...]
     distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR] [--overwrite]
-    distflow-lab bench dataplane|balance|serialization|memory|e2e [...]
+    distflow-lab bench dataplane|balance|serialization|memory|e2e|session-open [...]
     distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F] [--override K=V ..]
     distflow-lab data gsm8k|arithmetic [...]
 
@@ -175,6 +175,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "cli-latency":
         from distflow_lab.experiments.bench import cli_latency
         cli_latency.run(a.repeats, a.json)
+    elif a.which == "session-open":
+        from distflow_lab.experiments.bench import session_open
+
+        session_open.run(a.engine, a.repeats, a.json)
     elif a.which == "microbatch":
         from distflow_lab.experiments.bench import microbatch
 
@@ -330,7 +334,10 @@ def parser() -> argparse.ArgumentParser:
     mb.add_argument("--repeats", type=positive, default=3)
     mb.add_argument("--threads", type=positive, default=1, help="torch threads (1 on a shared CPU)")
     mb.add_argument("--gsm8k", default=None, help="GSM8K parquet folder (default: ../shared/datasets/gsm8k)")
-    for p in (d, bl, s, m, e, co, cl, asy, mb):
+    so = bsub.add_parser("session-open", help="seconds to open a session: new worker processes vs the worker pool")
+    so.add_argument("--engine", type=modes_list(("hf", "vllm"), "engine"), default=("hf",))
+    so.add_argument("--repeats", type=positive, default=3)
+    for p in (d, bl, s, m, e, co, cl, asy, mb, so):
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)

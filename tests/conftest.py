@@ -1,23 +1,41 @@
-"""Shared fixtures. One Ray cluster for the whole session (loopback only, no
-dashboard, auth disabled for this local test cluster); tests that need a
-multi-node `ray.cluster_utils.Cluster` stop it and the next test that needs the
-shared cluster starts it again."""
+"""Shared fixtures.
+
+- The two tiers and the time budget: `suite_budget.py` (a plugin: `pytest --full`).
+- One Ray cluster for the whole session (loopback only, no dashboard, auth disabled for this
+  local test cluster); tests that need a multi-node `ray.cluster_utils.Cluster` stop it and the
+  next test that needs the shared cluster starts it again. Notebook kernels and CLI subprocesses
+  attach to it (`suite_env()`: RAY_ADDRESS).
+- One model home for the whole session: $DISTFLOW_HOME is a temporary folder (or
+  $DISTFLOW_TEST_HOME, kept between runs), and so is the XDG cache, so nothing here reads or
+  writes the user's ~/.cache. The tiny models and their SFT warm starts are built there once
+  (`grpo_model`, `calculator_model`, `guess_number_model`), and every test, kernel and CLI
+  subprocess that uses the default `model.path` finds them.
+"""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from .suite_budget import pytest_addoption, pytest_configure  # noqa: F401  (the tiers and their budgets)
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray binds 127.0.0.1
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test clusters only
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+KEEP_HOME = bool(os.environ.get("DISTFLOW_TEST_HOME"))
+SUITE_HOME = Path(os.environ.get("DISTFLOW_TEST_HOME") or tempfile.mkdtemp(prefix="distflow-suite-")).resolve()
+os.environ["DISTFLOW_HOME"] = str(SUITE_HOME)  # models, warm starts, generated data: never ~/.cache/distflow_lab
+os.environ["XDG_CACHE_HOME"] = str(SUITE_HOME / "xdg-cache")  # HF, vLLM, torch, W&B caches: never ~/.cache
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = os.path.join(os.path.dirname(sys.executable), "distflow-lab")  # the console script of this venv
@@ -35,6 +53,18 @@ def _start_shared_ray() -> None:
         return
     cluster.connect(num_cpus=8, include_dashboard=False, log_to_driver=False,
                     _temp_dir=str(_ray_tmp["dir"]), object_store_memory=2 * 2**30)
+    _ray_tmp["address"] = ray.get_runtime_context().gcs_address
+
+
+def suite_env(**extra: str) -> dict[str, str]:
+    """The environment for a notebook kernel or CLI subprocess: this process's (the suite's model
+    home), attached to the shared cluster when it runs (no cluster start of its own)."""
+    import ray
+
+    env = {**os.environ, **extra}
+    if ray.is_initialized() and _ray_tmp.get("address") == ray.get_runtime_context().gcs_address:
+        env["RAY_ADDRESS"] = _ray_tmp["address"]
+    return env
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +94,35 @@ def _shutdown_ray_at_end():
     from distflow_lab.runtime import cluster
 
     cluster.shutdown()
+    if not KEEP_HOME:
+        shutil.rmtree(SUITE_HOME, ignore_errors=True)
+
+
+def _prepared(preset: str, *overrides: str) -> str:
+    """Build `preset`'s tiny model and SFT warm start in the suite's home (once per run: later
+    calls find them cached); the warm-started model's path."""
+    from distflow_lab.api.runner import load_run_config, prepare
+
+    cfg, _ = prepare(load_run_config(preset, list(overrides)), progress=False)
+    return cfg.model.path
+
+
+@pytest.fixture(scope="session")
+def grpo_model() -> str:
+    """tiny-cpu-grpo's warm-started model (the default model.path of the tiny presets)."""
+    return _prepared("tiny-cpu-grpo")
+
+
+@pytest.fixture(scope="session")
+def calculator_model() -> str:
+    """tiny-cpu-calculator's tool-use warm start (1,500 SFT steps)."""
+    return _prepared("tiny-cpu-calculator")
+
+
+@pytest.fixture(scope="session")
+def guess_number_model() -> str:
+    """tiny-cpu-guess-number's warm start."""
+    return _prepared("tiny-cpu-guess-number")
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ REFUSED = [  # what a user can write but the centralized plane cannot run: a nam
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     d = tmp_path_factory.mktemp("matrix")
-    return [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data", f"trainer.out_dir={d}/out",
+    return [f"trainer.out_dir={d}/out",
             "model.warm_start.steps=0", "cluster.world_size=2", "data.prompts_per_step=2", "rollout.n=4",
             "rollout.log_probs=true", "cluster.stage_timeout_s=60",
             "actor.entropy_coeff=0.01"]  # no warm start: reward 0, so the entropy term is what moves the weights

@@ -12,7 +12,7 @@ import pytest
 import distflow_lab as lab
 from distflow_lab.experiments.synthetic import synthetic_grpo
 
-from .conftest import CLI, run_python, start_ray_head, stop_ray_head
+from .conftest import CLI, run_python, start_ray_head, stop_ray_head, suite_env
 from .test_trace import SCHEMA
 
 
@@ -92,9 +92,9 @@ def test_report_contains_every_figure(synth, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def rl_base(tmp_path_factory):
+def rl_base(tmp_path_factory, grpo_model):
     d = tmp_path_factory.mktemp("lab-rl")
-    return [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data", f"trainer.out_dir={d}/out"]
+    return [f"trainer.out_dir={d}/out"]  # the model and its warm start: the suite's (conftest)
 
 
 def test_peek_returns_decoded_samples(ray_cluster, rl_base):
@@ -108,11 +108,11 @@ def test_peek_returns_decoded_samples(ray_cluster, rl_base):
             s.peek("nope")
 
 
-def test_cli_run_writes_everything(rl_base, tmp_path):
+def test_cli_run_writes_everything(ray_cluster, rl_base, tmp_path):
     out = tmp_path / "run"
     res = subprocess.run([CLI, "run", "tiny-cpu-grpo", "--steps", "3", "--out", str(out), *rl_base,
                           "data.prompts_per_step=8"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=suite_env())  # attached: no cluster start
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("reward") == 3
     for f in ("metrics.parquet", "spans.parquet", "trace.json", "report.html"):

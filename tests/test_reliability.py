@@ -31,7 +31,7 @@ def synth(batch: int = 8, max_len: int = 64):
 
 @pytest.mark.timeout(240)
 def test_worker_killed_mid_stage_is_named_and_the_session_resumes(ray_cluster, tmp_path):
-    s = lab.session(synth(), world_size=4, stage_timeout_s=60)
+    s = lab.session(synth(), world_size=4, stage_timeout_s=60, fresh_workers=True)  # it kills a process
     try:
         s.step()
         s.save_checkpoint(tmp_path / "ckpt")
@@ -52,9 +52,8 @@ def test_worker_killed_mid_stage_is_named_and_the_session_resumes(ray_cluster, t
 
 
 @pytest.fixture(scope="module")
-def rl_base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rel-rl")
-    return [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data", "data.prompts_per_step=16",
+def rl_base(grpo_model):
+    return ["data.prompts_per_step=16",
             "cluster.stage_timeout_s=60"]
 
 
@@ -63,7 +62,7 @@ def test_rl_resume_after_a_worker_dies_in_training(ray_cluster, rl_base, tmp_pat
     cfg = load_run_config("tiny-cpu-grpo", rl_base)
     with open_session(cfg, progress=False) as s:
         uninterrupted = [s.step().metrics for _ in range(4)]
-    with open_session(cfg, progress=False) as s:
+    with open_session(cfg, progress=False, fresh_workers=True) as s:  # it kills a process
         s.step(), s.step()
         s.save_checkpoint(tmp_path / "ckpt")
         faults.inject(s, "worker", 1, step=2, stage="actor_update")

@@ -12,11 +12,10 @@ from distflow_lab.api.runner import load_run_config, open_session, train
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """Overrides that keep models and data inside the test's tmp dir (the model
-    and its SFT warm start are built once and reused by every test here)."""
+def base(tmp_path_factory, grpo_model):
+    """Outputs inside the test's tmp dir; the model and its SFT warm start are the suite's (conftest)."""
     d = tmp_path_factory.mktemp("rl")
-    return [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data", f"trainer.out_dir={d}/out"]
+    return [f"trainer.out_dir={d}/out"]
 
 
 def test_grpo_raises_reward_from_sft_warm_start(ray_cluster, base, tmp_path):

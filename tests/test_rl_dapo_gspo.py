@@ -10,10 +10,10 @@ STEPS = 100
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """Models and data inside the test's tmp dir; the SFT warm start is built once for both tests."""
+def base(tmp_path_factory, grpo_model):
+    """Outputs inside the test's tmp dir; the model and its SFT warm start are the suite's (conftest)."""
     d = tmp_path_factory.mktemp("rl-dapo-gspo")
-    return [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data", f"trainer.out_dir={d}/out",
+    return [f"trainer.out_dir={d}/out",
             f"trainer.steps={STEPS}"]
 
 

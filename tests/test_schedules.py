@@ -109,7 +109,8 @@ def test_schedule_errors_name_the_schedule_and_the_mode(ray_cluster):
 
 @pytest.mark.timeout(240)
 def test_a_killed_rollout_worker_is_a_named_error_and_nothing_hangs(ray_cluster):
-    s = lab.session(dag(), world_size=4, mode="distributed", schedule="async", max_staleness=2)
+    s = lab.session(dag(), world_size=4, mode="distributed", schedule="async", max_staleness=2,
+                    fresh_workers=True)  # it kills a process
     try:
         s.run(2, progress=False)
         faults.inject(s, "worker", 1, step=4, stage="rollout")
@@ -123,10 +124,9 @@ def test_a_killed_rollout_worker_is_a_named_error_and_nothing_hangs(ray_cluster)
         s.close()
 
 
-def test_one_step_off_learns_the_arithmetic_task(ray_cluster, tmp_path_factory):
+def test_one_step_off_learns_the_arithmetic_task(ray_cluster, tmp_path_factory, grpo_model):
     d = tmp_path_factory.mktemp("schedules")
-    cfg = load_run_config("tiny-cpu-grpo", [f"model.path={d}/tiny-qwen2", f"data.cache_dir={d}/data",
-                                            "groups={rollout: 1, train: 1}", "schedule.kind=one_step_off",
+    cfg = load_run_config("tiny-cpu-grpo", ["groups={rollout: 1, train: 1}", "schedule.kind=one_step_off",
                                             "mode=coordinator", "trainer.steps=150"])
     m = train(cfg, out=d / "out", progress=False, echo=False)
     reward = m["reward/mean"]

@@ -60,7 +60,7 @@ def test_one_step_off_resume_replays_the_batches_in_flight_and_equals_the_undist
     opts = dict(world_size=2, mode="coordinator", schedule="one_step_off", stage_timeout_s=30)
     with lab.session(_groups_dag(), **opts) as s:
         undisturbed = [_data(s.step().metrics) for _ in range(7)]
-    s = lab.session(_groups_dag(), **opts)
+    s = lab.session(_groups_dag(), **opts, fresh_workers=True)  # it kills a process
     try:
         for _ in range(3):
             s.step()
@@ -87,7 +87,7 @@ def test_a_checkpoint_write_killed_halfway_never_loads_and_resume_takes_the_newe
     dag = lambda: synthetic_grpo(batch_size=8, n=4, max_prompt_len=32, max_response_len=32, rollout_tp=2)  # noqa: E731
     with lab.session(dag(), world_size=2, mode="distributed") as s:
         undisturbed = [s.step().metrics for _ in range(4)]
-    s = lab.session(dag(), world_size=2, mode="distributed", stage_timeout_s=30)
+    s = lab.session(dag(), world_size=2, mode="distributed", stage_timeout_s=30, fresh_workers=True)  # it kills
     try:
         root = tmp_path / "checkpoints"
         s.step()

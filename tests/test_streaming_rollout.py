@@ -206,7 +206,7 @@ def test_grpo_async_with_partial_rollouts_on_the_hf_engine(ray_cluster, tmp_path
 
     k = 2
     cfg = load_run_config("tiny-cpu-grpo", [
-        f"model.path={tmp_path}/tiny-qwen2", f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out",
+        f"trainer.out_dir={tmp_path}/out",
         "model.warm_start.steps=30",  # a short SFT: responses end at different lengths, so some stay in flight
         "actor.entropy_coeff=0.01", "cluster.world_size=2", "data.prompts_per_step=2", "rollout.n=4",
         "rollout.log_probs=true", "cluster.stage_timeout_s=60", "groups={rollout: 1, train: 1}", "mode=distributed",

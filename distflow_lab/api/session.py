@@ -46,6 +46,7 @@ def session_config(base: SessionConfig | dict | None = None, *,
                    gpus_per_worker: float | None = None, placement: str | None = None,
                    threads_per_worker: int | None = None, stage_timeout_s: float | None = None,
                    buffer_wait_timeout_s: float | None = None, torch_distributed: bool | None = None,
+                   fresh_workers: bool | None = None,
                    # switches
                    local_cache: bool | None = None, double_buffer: bool | None = None,
                    balance: Balance | str | None = None, num_buffers: int | str | None = None,
@@ -63,7 +64,8 @@ def session_config(base: SessionConfig | dict | None = None, *,
     cluster = {**base.cluster.model_dump(), **given(
         world_size=world_size, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker, placement=placement,
         threads_per_worker=threads_per_worker, stage_timeout_s=stage_timeout_s,
-        buffer_wait_timeout_s=buffer_wait_timeout_s, torch_distributed=torch_distributed)}
+        buffer_wait_timeout_s=buffer_wait_timeout_s, torch_distributed=torch_distributed,
+        fresh_workers=fresh_workers)}
     switches = {**base.switches.model_dump(exclude_unset=True), **given(
         local_cache=local_cache, double_buffer=double_buffer, balance=balance, num_buffers=num_buffers,
         rows_per_object=rows_per_object)}

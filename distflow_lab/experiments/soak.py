@@ -180,7 +180,9 @@ def open_soak_session(mode: str, schedule: str, engine: str, seed: int, max_stal
     from distflow_lab.api.session import Session
     from distflow_lab.experiments.synthetic import synthetic_grpo
 
-    opts: dict[str, Any] = {"mode": mode, "schedule": schedule, "seed": seed, "stage_timeout_s": stage_timeout_s}
+    # its faults kill processes: the run starts its own workers (never the worker pool's) and ends them
+    opts: dict[str, Any] = {"mode": mode, "schedule": schedule, "seed": seed, "stage_timeout_s": stage_timeout_s,
+                            "fresh_workers": True}
     if schedule == "async":
         opts.update(max_staleness=max_staleness, partial_rollout=partial_rollout)
     groups = None if schedule == "sync" else {"rollout": 1, "train": 1}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,5 +97,8 @@ def shutdown() -> None:
 
     info = _state["cluster"]
     _state["cluster"] = None
+    pool = sys.modules.get("distflow_lab.runtime.worker_pool")  # loaded only if a session ever ran here
+    if pool is not None and ray.is_initialized():
+        pool.POOL.drain()  # parked workers belong to this driver: end them with the connection
     if info is not None and info.connected_here and ray.is_initialized():
         ray.shutdown()  # stops an embedded cluster; only disconnects from an attached one

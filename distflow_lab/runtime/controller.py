@@ -56,8 +56,10 @@ from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
 from distflow_lab.runtime.schedules import Dispatch, InFlight, Lanes
 from distflow_lab.runtime.weights import WeightBoard
 from distflow_lab.runtime.worker import WorkerSetup
+from distflow_lab.runtime.worker_pool import POOL, PoolKey, current_cluster
 
 SETUP_STAGES = 4  # engine set-up (model loading) may take this many stage timeouts
+PARK_TIMEOUT_S = 10.0  # a closing session's workers must reset within this to be parked for the next one
 
 
 def torch_worlds(plan: Plan) -> list[tuple[int, int]]:
@@ -126,8 +128,7 @@ class Controller:
         if reuse is not None and reuse.can_hand_over(self.config, self.dag):
             self.placement, reuse.placement = reuse.placement, None  # the running processes: no start-up
         else:
-            workers, nodes, pg = place_workers(c.world_size, c.cpus_per_worker, c.gpus_per_worker, c.placement)
-            self.placement = Placement(workers, nodes, pg)
+            self.placement = self._place()
         try:
             spec = self.plane.start(PlaneSetup(self.plan, self.config.switches, self.config.seed,
                                                self.placement.worker_nodes, c.buffer_wait_timeout_s,
@@ -145,8 +146,33 @@ class Controller:
                                             SETUP_STAGES * c.stage_timeout_s)
             self.lanes = self._lanes() if self.plan.groups else None
         except BaseException:
+            self.broken = self.broken or "set-up failed"  # workers half set up are never parked for reuse
             self.close()
             raise
+
+    def _pool_key(self) -> PoolKey:
+        c = self.config.cluster
+        return PoolKey(current_cluster(), c.world_size, c.cpus_per_worker, c.gpus_per_worker, c.placement,
+                       c.torch_distributed, tuple(torch_worlds(self.plan)))
+
+    def _run_key(self) -> str | None:
+        """What a parked engine (a vLLM engine) must match to serve the next session on these workers:
+        the engine factory, the run config and where each stage runs (None: nothing to keep)."""
+        algo = self.config.algo
+        if self.engines is None or algo is None or not hasattr(algo, "model_dump_json"):
+            return None
+        stages = [(st.id, st.first, st.workers, st.dp) for st in self.plan.stages]
+        return f"{self.engines!r}|{algo.model_dump_json()}|{stages}"
+
+    def _place(self) -> Placement:
+        """Parked workers of this shape from the worker pool (runtime/worker_pool.py), else new ones."""
+        c = self.config.cluster
+        if not c.fresh_workers and (parked := POOL.take(self._pool_key())) is not None:
+            return parked
+        if POOL.idle and ray.available_resources().get("CPU", 0) < c.world_size * c.cpus_per_worker:
+            POOL.drain()  # parked workers of another shape hold the logical CPUs this session needs
+        workers, nodes, pg = place_workers(c.world_size, c.cpus_per_worker, c.gpus_per_worker, c.placement)
+        return Placement(workers, nodes, pg)
 
     def can_hand_over(self, config: SessionConfig, dag: DAG | None = None) -> bool:
         """Same placement request, the same torch.distributed worlds and healthy workers: a new
@@ -176,7 +202,8 @@ class Controller:
             ports.add(port)
             addr = "127.0.0.1" if len(set(nodes[first:first + n])) == 1 else node_ip(nodes[first])
             for r in range(n):
-                calls.append(self.workers[first + r].init_process_group.remote(addr, port, backend, timeout, r, n))
+                calls.append(self.workers[first + r].init_process_group.remote(addr, port, backend, timeout, r, n,
+                                                                               self._run_key()))
                 ranks.append(first + r)
         self._gather(calls, -1, "init_process_group", SETUP_STAGES * c.stage_timeout_s, workers=ranks)
 
@@ -185,17 +212,37 @@ class Controller:
         return self.placement.workers if self.placement else []
 
     def close(self) -> None:
+        """End the session: its workers go back to the worker pool if it is healthy (and the
+        pool is on), else they are closed and killed; the data plane and WeightBoard end."""
         if self.placement is not None:
-            try:  # a graceful close frees engines and process groups; a hung or dead worker is just killed
-                ray.get([w.close.remote() for w in self.workers], timeout=10)
-            except Exception:  # dead or hung workers are killed below
-                pass
-            release(self.placement)
-            self.placement = None
+            placement, self.placement = self.placement, None
+            if not self._park(placement):
+                try:  # a graceful close frees engines and process groups; a hung or dead worker is just killed
+                    ray.get([w.close.remote() for w in placement.workers], timeout=10)
+                except Exception:  # dead or hung workers are killed below
+                    pass
+                release(placement)
         if self.board is not None:
             ray.kill(self.board)
             self.board = None
         self.plane.close()
+
+    def _park(self, placement: Placement) -> bool:
+        """Healthy workers, reset, go to the worker pool for the next session of this shape. False:
+        they are not parked (the pool is off, fresh_workers, or this session is broken); True: done
+        with them (parked, or a worker failed to reset and all were killed)."""
+        if self.config.cluster.fresh_workers or POOL.capacity < 1 or not ray.is_initialized():
+            return False
+        if self.broken:
+            POOL.stats.refused += 1
+            return False
+        try:
+            ray.get([w.park.remote(self._run_key()) for w in placement.workers], timeout=PARK_TIMEOUT_S)
+        except Exception:  # a worker dead, hung or failing to reset: none of them is reused
+            POOL.refuse(placement)
+            return True
+        POOL.give(self._pool_key(), placement)
+        return True
 
     def __enter__(self):
         return self

@@ -97,6 +97,8 @@ class ClusterOptions(Strict):
     """Longest a DataBuffer or the coordinator waits for producers before failing the step with a clear error."""
     torch_distributed: bool = False
     """Start a torch.distributed process group over the workers (gloo on CPU, nccl on GPU)."""
+    fresh_workers: bool = False
+    """Start new worker processes, and kill them at close, instead of taking parked ones from the worker pool and parking them again (runtime/worker_pool.py)."""
 
 
 class ScheduleOptions(Strict):

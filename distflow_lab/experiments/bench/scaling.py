@@ -12,14 +12,17 @@ from distflow_lab.experiments.bench.dataplane import MODES, bench_dag, close_poo
 def measure_scaling(workers=(1, 2, 4, 8), contexts=(1024,), nodes: int = 2, batch_mode: str = "proportional",
                     repeats: int = 3, batch_per_worker: int = 16, n: int = 4, rollout_tp: int = 2,
                     us_per_token: float = 0.0, spans_at: tuple[int, int] | None = None,
-                    modes=MODES) -> pd.DataFrame:
+                    modes=MODES, cluster=None) -> pd.DataFrame:
     """Every mode on a simulated `nodes`-node Ray cluster (started and shut down here) via
     `bench.dataplane.measure`: per (mode, workers, context) median, `_lo` (min), `_hi` (max) over
     `repeats` steps of step/data-plane/compute seconds and throughput; B = batch_per_worker *
     (workers, or max(workers) if "constant"). `spans_at=(workers, context)`: one more session per
     mode there, its spans and step walls in columns `spans`, `walls` (for `calibrate`; a separate
-    session, so the check at that point also shows how much two sessions differ)."""
-    sim, rows, pool = start_cluster(nodes, max(workers)), [], {}
+    session, so the check at that point also shows how much two sessions differ). `cluster`: a
+    simulated cluster from `bench.dataplane.start_cluster` to measure on (several calls share one;
+    the caller stops it), instead of one started and stopped here."""
+    sim = start_cluster(nodes, max(workers)) if cluster is None else None
+    rows, pool = [], {}
     try:
         for w, ctx in [(w, c) for w in workers for c in contexts]:
             b = batch_per_worker * (w if batch_mode == "proportional" else max(workers))
