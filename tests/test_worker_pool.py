@@ -100,37 +100,26 @@ def test_an_rl_session_on_parked_workers_equals_one_on_new_workers(pool, grpo_mo
     t0 = time.perf_counter()
     with lab.rl_session("tiny-cpu-grpo", overrides, progress=False) as s:
         cold_s = time.perf_counter() - t0
-        pids, first = _pids(s), s.step().metrics
+        pids, first = _pids(s), [s.step().metrics for _ in range(2)]
     t0 = time.perf_counter()
     with lab.rl_session("tiny-cpu-grpo", overrides, progress=False) as s:
         pooled_s = time.perf_counter() - t0
         assert _pids(s) == pids
-        assert s.step().metrics == first
+        again = [s.step().metrics for _ in range(2)]
+    assert again == first, {k: (a[k], b.get(k)) for a, b in zip(first, again) for k in a if a[k] != b.get(k)}
     print(f"rl_session open: cold {cold_s:.2f} s, pooled {pooled_s:.2f} s")
 
 
-@pytest.mark.full
-@pytest.mark.budget(150, reason="two vLLM sessions: a cold engine build, then the parked engine restarted")
-def test_a_vllm_session_on_parked_workers_reuses_the_engine_and_equals_a_new_one(pool, grpo_model):
-    """The parked vLLM engine is taken by the next session of the same run config: its checkpoint's
-    weights reloaded (not the last session's trained ones), so it generates what a new engine would."""
-    import time
 
+@pytest.mark.full
+@pytest.mark.budget(120, reason="two GRPO sessions with vLLM engines beside FSDP2")
+def test_a_vllm_session_on_parked_workers_equals_one_on_new_workers(pool, grpo_model):
+    """The processes are reused; the vLLM engine is built again in them (and generates as in new ones)."""
     pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
     overrides = ["data.prompts_per_step=8", "rollout.engine=vllm"]
-    times = []
+    runs = []
     for _ in range(2):
-        t0 = time.perf_counter()
         with lab.rl_session("tiny-cpu-grpo", overrides, progress=False) as s:
-            times.append(time.perf_counter() - t0)
-            pids = _pids(s)
-            m = [s.step().metrics for _ in range(2)]  # the second step runs on synced (trained) weights
-            if len(times) == 1:
-                first_pids, first = pids, m
-            reused = [w["reused_engines"] for w in s.controller.worker_info]
-            if len(times) == 1:
-                first_pids, first = pids, m
-                assert reused == [[], []]
-    assert pids == first_pids and m == first
-    assert reused == [["rollout"], ["rollout"]]  # the engines were not built again
-    print(f"vLLM rl_session open: cold {times[0]:.1f} s, pooled (engine kept) {times[1]:.1f} s")
+            runs.append((_pids(s), [s.step().metrics for _ in range(2)]))
+    (pids, first), (again_pids, again) = runs
+    assert again_pids == pids and again == first

@@ -91,15 +91,6 @@ class RLEngines:
         """The actor's weights were replaced: a colocated rollout lags until the next sync."""
         self.policy.stale = not self.policy.shared
 
-    def park(self) -> dict[str, Any]:
-        """Closing for the worker pool: a vLLM engine stays for the next session of the same run
-        config, which loads the checkpoint's weights into it instead of building it again (tens of
-        seconds on CPU); everything else is freed."""
-        keep = getattr(self.rollout, "reusable", False) and self.rollout.idle()  # no requests of this session left
-        kept, self.rollout = ({"rollout": self.rollout}, None) if keep else ({}, self.rollout)
-        self.close()
-        return kept
-
     def close(self) -> None:
         self.stream = None  # its sequences in flight die with the session
         if self.multi_turn is not None:
@@ -143,12 +134,8 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
             gen_model = gen_model.to(getattr(torch, gen_dtype))
         # vLLM: the rest comes from cfg.rollout; it sleeps at start only beside a trainer that needs the memory
         vllm_args = {} if hf else {"dtype": gen_dtype, "seed": cfg.seed, "sleep_at_start": trains}
-        kept = ctx.kept.pop("rollout", None)  # the last session's engine on this worker, same run config
-        if kept is not None and not hf:
-            e.rollout = kept.restart(cfg.model.path)  # the checkpoint's weights, as a new engine would load
-        else:
-            e.rollout = make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
-                                     cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args)
+        e.rollout = make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
+                                 cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args)
         if e.rollout.sleeps:  # vLLM beside FSDP2: it sleeps whenever a trainer computes
             for trainer in (e.actor, e.ref, e.critic):
                 if trainer is not None:

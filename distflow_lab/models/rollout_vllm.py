@@ -303,7 +303,6 @@ class VLLMRollout:
     """
 
     streams_weights = True  # sync_weights streams buckets here instead of building a full state dict
-    reusable = True  # the worker pool may keep the engine for the next session of the same run config
 
     def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions, max_prompt_len: int,
                  dtype: str = "bfloat16", seed: int = 0, sleep_at_start: bool = True, **llm_kwargs: Any):
@@ -404,28 +403,6 @@ class VLLMRollout:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight sync")
         self.needs_weights = False
         return len(seen)
-
-    def idle(self) -> bool:
-        """No request left in the engine (partial rollouts leave some when a session ends mid-stream)."""
-        try:
-            return not self.llm.llm_engine.has_unfinished_requests()
-        except Exception:  # an engine that cannot say is not reused
-            return False
-
-    def restart(self, model_path: str) -> "VLLMRollout":
-        """This engine for a new session of the same run config (the worker pool kept it): the weights
-        of `model_path`'s checkpoint, as a new engine would start with, through the same in-place
-        reload as a sync (every tensor covered), and an empty prefix cache. Requests are seeded, so it
-        then generates what a new engine would."""
-        from safetensors.torch import load_file
-
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{model_path}: no safetensors checkpoint to reload the kept vLLM engine from")
-        self._asleep, self.needs_weights = set(), False
-        self.load_weights([[(n, t.to(self.weight_dtype)) for n, t in load_file(f).items()] for f in files])
-        self.expected_names = checkpoint_names(model_path)
-        return self
 
     def close(self) -> None:
         """Shut the engine down and free its memory; a new VLLMRollout can start in this process.

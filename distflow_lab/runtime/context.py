@@ -39,8 +39,6 @@ class StageContext:
     trains_by: int | None = None  # async generation: the latest update this batch trains at (tokens older than
     # trains_by - max_staleness can never train; None: synchronous)
     roles: frozenset[str] = frozenset()  # the roles of the stages this worker runs (engine set-up builds theirs)
-    kept: dict[str, Any] = field(default_factory=dict)  # engine set-up: engines the last session on this worker
-    # parked for one of the same run config (the worker pool); the factory takes (pops) what it reuses
     metrics: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)
     _rng: torch.Generator | None = None

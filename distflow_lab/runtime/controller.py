@@ -155,15 +155,6 @@ class Controller:
         return PoolKey(current_cluster(), c.world_size, c.cpus_per_worker, c.gpus_per_worker, c.placement,
                        c.torch_distributed, tuple(torch_worlds(self.plan)))
 
-    def _run_key(self) -> str | None:
-        """What a parked engine (a vLLM engine) must match to serve the next session on these workers:
-        the engine factory, the run config and where each stage runs (None: nothing to keep)."""
-        algo = self.config.algo
-        if self.engines is None or algo is None or not hasattr(algo, "model_dump_json"):
-            return None
-        stages = [(st.id, st.first, st.workers, st.dp) for st in self.plan.stages]
-        return f"{self.engines!r}|{algo.model_dump_json()}|{stages}"
-
     def _place(self) -> Placement:
         """Parked workers of this shape from the worker pool (runtime/worker_pool.py), else new ones."""
         c = self.config.cluster
@@ -202,8 +193,7 @@ class Controller:
             ports.add(port)
             addr = "127.0.0.1" if len(set(nodes[first:first + n])) == 1 else node_ip(nodes[first])
             for r in range(n):
-                calls.append(self.workers[first + r].init_process_group.remote(addr, port, backend, timeout, r, n,
-                                                                               self._run_key()))
+                calls.append(self.workers[first + r].init_process_group.remote(addr, port, backend, timeout, r, n))
                 ranks.append(first + r)
         self._gather(calls, -1, "init_process_group", SETUP_STAGES * c.stage_timeout_s, workers=ranks)
 
@@ -237,7 +227,7 @@ class Controller:
             POOL.stats.refused += 1
             return False
         try:
-            ray.get([w.park.remote(self._run_key()) for w in placement.workers], timeout=PARK_TIMEOUT_S)
+            ray.get([w.park.remote() for w in placement.workers], timeout=PARK_TIMEOUT_S)
         except Exception:  # a worker dead, hung or failing to reset: none of them is reused
             POOL.refuse(placement)
             return True

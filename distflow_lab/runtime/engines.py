@@ -9,9 +9,6 @@ once at set-up. The runtime needs four things of what it returns, and nothing el
     checkpointed()  the engines a checkpoint saves and loads, by folder name
     after_load()    a checkpoint replaced their state (e.g. the rollout's weights now lag)
     close()         free models, engines and their memory
-    park()          optional: close, but return (by name) what a next session of the same run config on this
-                    worker may take over instead of building it again (the worker pool: a vLLM engine); the
-                    factory finds them in `ctx.kept`
 
 The built-in RL algorithms' engines are `algos.engine_setup.RLEngines`; a DAG without a
 factory gets `StageState`, where a stage may keep its own objects between steps.

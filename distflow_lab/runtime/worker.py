@@ -91,7 +91,6 @@ class DAGWorker:
         self._version_min: int | None = None
         self._trains_by: int | None = None  # set during a generation segment (async schedules)
         self.dist_base = 0  # the DAG rank of this worker's torch.distributed rank 0 (worker groups: per group)
-        self.kept: tuple[str, dict[str, Any]] | None = None  # (run key, engines) parked for the next session
 
     # ---- lifecycle ---------------------------------------------------------------
     def setup(self, s: WorkerSetup) -> dict:
@@ -109,20 +108,14 @@ class DAGWorker:
         if first.type == "data_load" and first.data is not None and s.plane.loads_data and first.runs_on(self.rank):
             self.loader = make_loader(first.data, first.dp_rank(self.rank), first.dp, s.seed)
         self.mine = [st.index for st in self.plan.stages_on(self.rank)]  # the stages this worker runs
-        kept, self.kept = (self.kept[1] if self.kept else {}), None
-        offered = sorted(kept)
         if s.engines is not None:
             home = self.plan.stages[self.mine[0]] if self.mine else first
-            ctx = self._ctx(0, home)
-            ctx.kept = kept
-            made = resolve_function(s.engines, node="engines")(ctx, s.config)
+            made = resolve_function(s.engines, node="engines")(self._ctx(0, home), s.config)
             self.engines = check_engines(made, s.engines if isinstance(s.engines, str) else repr(s.engines))
-        reused = [name for name in offered if name not in kept]  # what the factory took over
-        _close_kept(kept)  # what it did not
         gc.collect()
         gc.freeze()  # start-up objects (torch, Ray) leave the GC's view: later collections stay short
         return {"rank": self.rank, "node": self.node, "pid": os.getpid(),
-                "loader": self.loader.report.__dict__ if self.loader else None, "reused_engines": reused}
+                "loader": self.loader.report.__dict__ if self.loader else None}
 
     def _layout_groups(self) -> dict[str, Any]:
         """One process group per stage layout (collective: every worker creates every
@@ -158,14 +151,11 @@ class DAGWorker:
         gc.unfreeze()  # setup froze the last plan's objects: let the collector free what they left in cycles
         gc.collect()
 
-    def park(self, keep_for: str | None = None) -> int:
+    def park(self) -> int:
         """The session closed healthy: drop everything of its plan but keep the process and its
-        torch.distributed world, for the next session of this shape (runtime/worker_pool.py). With
-        `keep_for` (the session's run key), engines that can serve a next session of the same run
-        config stay too (`engines.park()`: a vLLM engine)."""
-        if keep_for is not None and hasattr(self.engines, "park"):
-            kept, self.engines = self.engines.park(), StageState(rank=self.rank)
-            self.kept = (keep_for, kept) if kept else None
+        torch.distributed world, for the next session of this shape (runtime/worker_pool.py).
+        Engines are closed like the rest: a vLLM engine is built again by the next session (one kept
+        and reloaded from the checkpoint generated differently from a new one; see the README)."""
         self._reset()
         self.port = None  # the closed session's data plane
         return os.getpid()
@@ -175,19 +165,14 @@ class DAGWorker:
         return os.getpid()
 
     def init_process_group(self, master_addr: str, port: int, backend: str = "gloo", timeout_s: float = 300.0,
-                           rank: int | None = None, world_size: int | None = None, keep_for: str | None = None) -> bool:
+                           rank: int | None = None, world_size: int | None = None) -> bool:
         """Join a torch.distributed world as `rank` of `world_size` (default: every worker, by DAG
-        rank); a worker group's world numbers its workers from 0 (`self.dist_base` maps back).
-        Engines parked by the last session stay for set-up only if `keep_for` is the run key they
-        were parked for (closing them may end the world: it is joined again below)."""
+        rank); a worker group's world numbers its workers from 0 (`self.dist_base` maps back)."""
         import datetime
 
         import torch.distributed as dist
 
         self._reset()  # the last plan's engines go first: closing a vLLM engine destroys the default group
-        if self.kept is not None and self.kept[0] != keep_for:  # parked for another run config: not reused
-            _close_kept(self.kept[1])
-            self.kept = None
         rank = self.rank if rank is None else rank
         world_size = self.world_size if world_size is None else world_size
         self.dist_base = self.rank - rank  # the DAG rank of this world's rank 0
@@ -199,9 +184,6 @@ class DAGWorker:
 
     def close(self) -> None:
         self._reset()
-        if self.kept is not None:
-            _close_kept(self.kept[1])
-            self.kept = None
         try:
             import torch.distributed as dist
 
@@ -521,8 +503,3 @@ class DAGWorker:
             self.loader.load_state_dict(json.loads(f.read_text()))
         return loaded
 
-
-def _close_kept(kept: dict[str, Any]) -> None:
-    for engine in kept.values():
-        engine.close()
-    kept.clear()
