@@ -31,6 +31,7 @@ def two_nodes(ray_cluster, tmp_path_factory):
 
 
 @pytest.mark.cluster
+@pytest.mark.full
 def test_one_buffer_per_node_on_its_node(two_nodes):
     dag = synthetic_grpo(batch_size=8, n=4, max_prompt_len=64, max_response_len=64, rollout_tp=2)
     s = lab.session(dag, world_size=4)
@@ -58,6 +59,7 @@ def test_one_buffer_per_node_on_its_node(two_nodes):
 
 
 @pytest.mark.cluster
+@pytest.mark.full
 def test_one_central_buffer(two_nodes):
     dag = synthetic_grpo(batch_size=8, n=4, max_prompt_len=64, max_response_len=64, rollout_tp=2)
     s = lab.session(dag, world_size=4, num_buffers=1)

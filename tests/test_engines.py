@@ -215,7 +215,9 @@ def test_grads_independent_of_micro_batching_and_order(model, mode):
         metrics = e.train_step(batch, ppo_loss, mode)
         assert math.isfinite(metrics["grad_norm"]) and metrics["skipped"] == 0
         params.append(e.full_state_dict())
-    assert max_diff(*params) < 1e-5  # Adam step 1 ~ lr*sign(g): float noise in tiny grads shows at ~1e-6
+    # Adam step 1 ~ lr * g / (|g| + eps): where |g| is near eps, float noise in g moves the update by a
+    # fraction of lr (1.4e-5 seen once on a 2-core CI machine), so the bound is 5 % of lr
+    assert max_diff(*params) < 5e-5
     assert max_diff(params[0], model.state_dict()) > 1e-4  # the step did move the weights
 
 

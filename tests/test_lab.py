@@ -22,6 +22,7 @@ def _run(code: str, timeout: int = 120, env: dict | None = None) -> str:
     return out.stdout
 
 
+@pytest.mark.full
 def test_connect_twice_reuses_and_attach_does_not_stop_the_cluster():
     """In fresh processes: connect() starts a loopback cluster and reuses it; attaching
     to a running cluster and calling shutdown() leaves that cluster running."""

@@ -10,6 +10,8 @@ from distflow_lab.experiments.bench import memory
 from distflow_lab.experiments.bench.dataplane import bench_dag
 from distflow_lab.observe.curves import driver_memory_figure
 
+pytestmark = pytest.mark.full  # long-run memory: the full tier
+
 SMALL, LARGE, CONTEXT = 16, 256, 1024  # responses per step; LARGE = 16 x SMALL
 
 

@@ -152,8 +152,9 @@ def test_partial_rollouts_carry_trajectories_across_calls_and_policy_versions(po
 
 
 # ---------------------------------------------------------------- through a session
+@pytest.mark.full
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
-def test_grpo_learns_to_call_the_calculator(ray_cluster, tmp_path, engine):
+def test_grpo_learns_to_call_the_calculator(ray_cluster, tmp_path, engine, calculator_model):
     """The preset end to end, on each engine: after a warm start that shows the tool half the time, GRPO
     raises the reward by calling it more (two-digit products, which the model rarely gets right alone).
     Trajectories reach the trainer with their loss mask, the environment's reward is the score, and a
@@ -207,7 +208,8 @@ MT_CELLS = [("grpo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.ma
                                      "schedule.partial_rollout=true", "actor.off_policy=tis"])]
 
 
-def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path):
+@pytest.mark.full
+def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path, calculator_model):
     """PPO, GSPO and DAPO (its later sampling rounds play new trajectories) on worker groups under
     one_step_off and async, in both planes that run groups, and GRPO async with partial rollouts
     (trajectories carried across weight updates) on HF and vLLM: the trained batch keeps its loss mask,
@@ -240,7 +242,8 @@ def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path):
             assert max(x["schedule/staleness"] for x in m) <= k and m[-1]["schedule/rollout_version"] >= 1, where
 
 
-def test_the_guess_number_preset_plays_games(ray_cluster, tmp_path):
+@pytest.mark.full
+def test_the_guess_number_preset_plays_games(ray_cluster, tmp_path, guess_number_model):
     """tiny-cpu-guess-number: after a warm start that shows bisection half the time, trajectories span
     several guesses, each answered by the environment, and some find the secret."""
     from distflow_lab.api.runner import load_run_config, open_session
@@ -279,6 +282,7 @@ def vllm_engine(tmp_path_factory, tok):
         dist.destroy_process_group()
 
 
+@pytest.mark.full
 def test_on_vllm_turns_interleave_log_probs_are_the_policys_and_the_prefix_cache_is_reused(vllm_engine, pool, tok):
     from distflow_lab.models.rollout_vllm_stream import VLLMStreamingRollout
 

@@ -56,6 +56,7 @@ def test_replay_is_exact_on_a_handmade_recording():
     assert "lpt" in repr(r) and set(r.summary["balance"]) == {"none", "lpt"}
 
 
+@pytest.mark.full
 def test_replay_matches_real_runs(ray_cluster, tmp_path):
     """Record balance=none, replay lpt and kk, run both for real: the median error is measured."""
     acc = replay_accuracy(policies=("lpt", "kk"), base="none", steps=4, skip=1)

@@ -18,6 +18,7 @@ def base(tmp_path_factory, grpo_model):
     return [f"trainer.out_dir={d}/out"]
 
 
+@pytest.mark.full
 def test_grpo_raises_reward_from_sft_warm_start(ray_cluster, base, tmp_path):
     cfg = load_run_config("tiny-cpu-grpo", base + ["trainer.steps=150"])
     m = train(cfg, out=tmp_path, progress=False, echo=False)
@@ -30,6 +31,7 @@ def test_grpo_raises_reward_from_sft_warm_start(ray_cluster, base, tmp_path):
         assert (tmp_path / f).stat().st_size > 0
 
 
+@pytest.mark.full
 def test_ppo_runs_and_value_loss_falls(ray_cluster, base, tmp_path):
     # a frozen, low-temperature policy gives the critic a stationary target to learn
     cfg = load_run_config("tiny-cpu-ppo", base + ["trainer.steps=60", "actor.lr=1e-30", "rollout.temperature=0.3"])
@@ -39,7 +41,7 @@ def test_ppo_runs_and_value_loss_falls(ray_cluster, base, tmp_path):
     assert {"critic/vf_clipfrac", "actor/clipfrac"} <= set(m.columns)
 
 
-@pytest.mark.parametrize("preset", ["tiny-cpu-grpo", "tiny-cpu-ppo"])
+@pytest.mark.parametrize("preset", ["tiny-cpu-grpo", pytest.param("tiny-cpu-ppo", marks=pytest.mark.full)])
 def test_every_mode_gives_identical_metrics(ray_cluster, base, preset):
     """The same seed on the same worker processes (reopen): the data plane changes nothing but the data path."""
     runs = {}

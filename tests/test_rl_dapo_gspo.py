@@ -6,6 +6,8 @@ import pytest
 
 from distflow_lab.api.runner import load_run_config, train
 
+pytestmark = pytest.mark.full  # learning curves: the full tier
+
 STEPS = 100
 
 

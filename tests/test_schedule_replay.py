@@ -145,6 +145,7 @@ def test_bad_input_is_named(tmp_path):
     assert list(r.summary["schedule"]) == ["sync", "one_step_off"] and "one_step_off" in r._repr_html_()
 
 
+@pytest.mark.full
 def test_schedule_replay_matches_real_runs(ray_cluster):
     """Record sync on worker groups, replay, run each schedule for real (same seed, same batches).
     The async bench's long-tail DAG at its own size (steps of 0.4-0.9 s): at half the simulated

@@ -124,6 +124,8 @@ def test_a_killed_rollout_worker_is_a_named_error_and_nothing_hangs(ray_cluster)
         s.close()
 
 
+@pytest.mark.full
+@pytest.mark.budget(60, reason="a learning curve: 150 updates")
 def test_one_step_off_learns_the_arithmetic_task(ray_cluster, tmp_path_factory, grpo_model):
     d = tmp_path_factory.mktemp("schedules")
     cfg = load_run_config("tiny-cpu-grpo", ["groups={rollout: 1, train: 1}", "schedule.kind=one_step_off",

@@ -27,6 +27,7 @@ CELLS = [("centralized", "sync", 3, False),   # engine, worker, checkpoint
          ("distributed", "async", 7, True)]   # board, buffer, worker; partial rollouts
 
 
+@pytest.mark.full
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("mode,schedule,seed,partial", CELLS, ids=[f"{m}-{s}" for m, s, _, _ in CELLS])
 def test_ci_soak(ray_cluster, mode, schedule, seed, partial):
@@ -55,6 +56,7 @@ def _data(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not TIMING.search(k)}
 
 
+@pytest.mark.full
 @pytest.mark.timeout(240)
 def test_one_step_off_resume_replays_the_batches_in_flight_and_equals_the_undisturbed_run(ray_cluster, tmp_path):
     opts = dict(world_size=2, mode="coordinator", schedule="one_step_off", stage_timeout_s=30)

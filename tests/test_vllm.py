@@ -170,6 +170,7 @@ def test_sequences_in_flight_resume_across_a_weight_sync_with_the_new_weights(se
     assert stream.in_flight == 0 and e.llm.llm_engine.get_num_unfinished_requests() == 0
 
 
+@pytest.mark.full
 def test_close_then_a_bf16_engine_in_the_same_process_shows_a_real_mismatch(setup):
     setup["engine"].close()
     e = VLLMRollout(str(setup["path"]), setup["tok"], opts(), P, dtype="bfloat16", seed=0, sleep_at_start=False)
