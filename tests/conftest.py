@@ -31,6 +31,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test clusters only
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("DISTFLOW_WORKER_POOL", "3")  # the suite alternates a few worker shapes: keep three parked
 
 KEEP_HOME = bool(os.environ.get("DISTFLOW_TEST_HOME"))
 SUITE_HOME = Path(os.environ.get("DISTFLOW_TEST_HOME") or tempfile.mkdtemp(prefix="distflow-suite-")).resolve()

@@ -95,7 +95,7 @@ class TestSharedSessions:
         assert [s.stage_id for s in finished.stages] == [s.id for s in d.plan.stages]
 
 
-@pytest.mark.parametrize("mode", ["distributed", "coordinator"])
+@pytest.mark.parametrize("mode", [pytest.param("distributed", marks=pytest.mark.full), "coordinator"])
 def test_stepping_stage_by_stage_matches_whole_steps(ray_cluster, mode):
     a = lab.session(dag(), world_size=W, mode=mode)
     b = lab.session(dag(), world_size=W, mode=mode)

@@ -25,7 +25,8 @@ def _run(code: str, timeout: int = 120, env: dict | None = None) -> str:
 @pytest.mark.full
 def test_connect_twice_reuses_and_attach_does_not_stop_the_cluster():
     """In fresh processes: connect() starts a loopback cluster and reuses it; attaching
-    to a running cluster and calling shutdown() leaves that cluster running."""
+    to a running cluster and calling shutdown() leaves that cluster running (also shown by every
+    notebook kernel the suite runs: each attaches to the suite's cluster and calls lab.shutdown())."""
     out = _run("""
         from distflow_lab.runtime import cluster
         a = cluster.connect(num_cpus=1, log_to_driver=False)

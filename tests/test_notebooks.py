@@ -131,6 +131,8 @@ def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError (with the cell's source) on the first failing cell
+    # the kernel attached to the suite's cluster and called lab.shutdown(): that only detached it
+    assert ray_cluster.get(ray_cluster.put(1), timeout=30) == 1 and ray_cluster.cluster_resources()["CPU"] >= 8
     errors = [o for c in _code_cells(nb) for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: error outputs {[(e.ename, e.evalue) for e in errors]}"
     check_static_export(nb, path.name)  # the same executed notebook, as nbconvert --to html shows it

@@ -118,6 +118,7 @@ def test_plane_actor_killed_twice_in_one_step_is_a_clear_error(ray_cluster, mode
         s.close()
 
 
+@pytest.mark.full
 def test_two_sessions_on_one_cluster_are_isolated(ray_cluster):
     alone = {}
     for b in (8, 16):

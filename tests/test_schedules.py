@@ -211,7 +211,7 @@ def test_lanes_bound_the_batches_dropped_in_a_row(ray_cluster):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("publishes", ["never_advances", "no_weights"])
+@pytest.mark.parametrize("publishes", ["never_advances", pytest.param("no_weights", marks=pytest.mark.full)])
 def test_a_policy_that_never_advances_is_a_named_error_not_a_hang(ray_cluster, publishes):
     """An actor-update stage that forgets to advance the policy version: the first update is
     PolicyNotPublished, and with no weights engine at all the stale batches are StaleBatches;

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from .conftest import REPO
 
 SUITE = '''
@@ -76,3 +78,11 @@ def test_a_budget_marker_without_a_reason_is_a_usage_error(tmp_path: Path):
     out = run_suite(tmp_path, suite="import time, pytest\n@pytest.mark.budget(5)\ndef test_x():\n    time.sleep(0.5)\n")
     assert out.returncode != 0
     assert "needs seconds and reason" in out.stdout + out.stderr
+
+
+def test_auto_budgets_follow_a_slower_machine_within_limits(monkeypatch):
+    from . import suite_budget
+
+    for seconds, scale in ((suite_budget.CALIBRATION_REFERENCE_S * 1.2, 1.2), (10.0, 1.5), (0.01, 1.0)):
+        monkeypatch.setattr(suite_budget, "calibrate", lambda s=seconds: s)
+        assert suite_budget.auto_scale()[0] == pytest.approx(scale)

@@ -96,7 +96,7 @@ def test_sampled_series_and_flows_from_items():
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("mode", ["distributed", "centralized"])
+@pytest.mark.parametrize("mode", ["distributed"])
 def test_real_trace_has_counters_flows_and_merges_with_ray_timeline(ray_cluster, tmp_path, mode):
     d = synthetic_grpo(batch_size=8, n=4, max_prompt_len=64, max_response_len=64, rollout_tp=2)
     with lab.session(d, world_size=4, mode=mode) as s:

@@ -50,6 +50,7 @@ def test_a_second_session_runs_on_the_parked_workers_and_computes_the_same(pool)
     assert "idle placement" in repr(lab.worker_pool())
 
 
+@pytest.mark.full
 def test_a_session_of_another_shape_starts_new_workers(pool):
     with lab.session(_dag(), world_size=2) as s:
         two = _pids(s)
@@ -110,16 +111,3 @@ def test_an_rl_session_on_parked_workers_equals_one_on_new_workers(pool, grpo_mo
     print(f"rl_session open: cold {cold_s:.2f} s, pooled {pooled_s:.2f} s")
 
 
-
-@pytest.mark.full
-@pytest.mark.budget(120, reason="two GRPO sessions with vLLM engines beside FSDP2")
-def test_a_vllm_session_on_parked_workers_equals_one_on_new_workers(pool, grpo_model):
-    """The processes are reused; the vLLM engine is built again in them (and generates as in new ones)."""
-    pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
-    overrides = ["data.prompts_per_step=8", "rollout.engine=vllm"]
-    runs = []
-    for _ in range(2):
-        with lab.rl_session("tiny-cpu-grpo", overrides, progress=False) as s:
-            runs.append((_pids(s), [s.step().metrics for _ in range(2)]))
-    (pids, first), (again_pids, again) = runs
-    assert again_pids == pids and again == first

@@ -227,11 +227,13 @@ class Controller:
             POOL.stats.refused += 1
             return False
         try:
-            ray.get([w.park.remote() for w in placement.workers], timeout=PARK_TIMEOUT_S)
+            reusable = ray.get([w.park.remote() for w in placement.workers], timeout=PARK_TIMEOUT_S)
         except Exception:  # a worker dead, hung or failing to reset: none of them is reused
+            reusable = [False]
+        if all(reusable):
+            POOL.give(self._pool_key(), placement)
+        else:  # see DAGWorker.park (a vLLM engine's shutdown ends the torch.distributed world)
             POOL.refuse(placement)
-            return True
-        POOL.give(self._pool_key(), placement)
         return True
 
     def __enter__(self):

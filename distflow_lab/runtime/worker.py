@@ -151,14 +151,19 @@ class DAGWorker:
         gc.unfreeze()  # setup froze the last plan's objects: let the collector free what they left in cycles
         gc.collect()
 
-    def park(self) -> int:
+    def park(self) -> bool:
         """The session closed healthy: drop everything of its plan but keep the process and its
         torch.distributed world, for the next session of this shape (runtime/worker_pool.py).
-        Engines are closed like the rest: a vLLM engine is built again by the next session (one kept
-        and reloaded from the checkpoint generated differently from a new one; see the README)."""
+        False: this process should not serve another session. Closing a vLLM engine destroys
+        torch.distributed's groups, the session's world among them, and a next session's FSDP2
+        groups built on a world joined again in the same process failed ("Could not resolve the
+        process group"): such a worker is not parked."""
+        import torch.distributed as dist
+
+        had_world = dist.is_initialized()
         self._reset()
         self.port = None  # the closed session's data plane
-        return os.getpid()
+        return dist.is_initialized() or not had_world
 
     def alive(self) -> int:
         """A parked worker's liveness check: its pid."""

@@ -28,7 +28,7 @@ def _open_and_step(cfg, fresh: bool) -> tuple[float, dict, list[int]]:
     try:
         import ray
 
-        pids = [m["pid"] for m in ray.get([w.memory.remote() for w in s.controller.workers])]
+        pids = [m["pid"] for m in ray.get([w.memory.remote() for w in s.controller.workers], timeout=60)]
         metrics = s.step().metrics
     finally:
         s.close()
