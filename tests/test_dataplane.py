@@ -95,7 +95,8 @@ class TestSharedSessions:
         assert [s.stage_id for s in finished.stages] == [s.id for s in d.plan.stages]
 
 
-@pytest.mark.parametrize("mode", [pytest.param("distributed", marks=pytest.mark.full), "coordinator"])
+@pytest.mark.full  # stepping one stage at a time: tests/test_lab.py::test_step_stage_reports_real_numbers
+@pytest.mark.parametrize("mode", ["distributed", "coordinator"])
 def test_stepping_stage_by_stage_matches_whole_steps(ray_cluster, mode):
     a = lab.session(dag(), world_size=W, mode=mode)
     b = lab.session(dag(), world_size=W, mode=mode)
@@ -284,6 +285,7 @@ def _probe_then_reward(probe):
     return probe_reward
 
 
+@pytest.mark.full
 def test_group_balance_keeps_a_prompts_responses_on_one_rank_in_every_mode(ray_cluster):
     """balance="group" routes by the `uid` column the producers send with the lengths:
     every mode puts a prompt's n responses on one rank, and the same ranks."""

@@ -123,6 +123,7 @@ def test_cli_run_writes_everything(ray_cluster, rl_base, tmp_path):
     assert bad.returncode == 2 and "actor.nope: unknown key" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.full
 def test_reopen_reuses_the_worker_processes(ray_cluster):
     import ray
 

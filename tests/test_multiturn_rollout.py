@@ -206,16 +206,15 @@ MT_CELLS = [("grpo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.ma
             ("ppo", "coordinator", [GROUPS, "schedule.kind=one_step_off", "actor.off_policy=tis"]),
             ("gspo", "distributed", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
                                      "actor.off_policy=decoupled"]),
-            ("dapo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1"]),
-            ("grpo", "distributed", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
-                                     "schedule.partial_rollout=true", "actor.off_policy=tis"])]
+            ("dapo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1"])]
+# (HF partial rollouts with trajectories across weight updates: test_partial_rollouts_carry_... above)
 
 
 @pytest.mark.full
 def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path, calculator_model):
     """PPO, GSPO and DAPO (its later sampling rounds play new trajectories) on worker groups under
     one_step_off and async, in both planes that run groups, and GRPO async with partial rollouts
-    (trajectories carried across weight updates) on HF and vLLM: the trained batch keeps its loss mask,
+    (trajectories carried across weight updates) on vLLM: the trained batch keeps its loss mask,
     the schedule's staleness bound holds, and the rollout group follows the training group's versions."""
     from distflow_lab.api.runner import load_run_config, open_session
 

@@ -28,6 +28,7 @@ def synth(batch: int = 8, max_len: int = 64):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.budget(40, reason="three worker starts: the killed session, an undisturbed one, the restart")
 def test_worker_killed_mid_stage_is_named_and_the_session_resumes(ray_cluster, tmp_path):
     s = lab.session(synth(), world_size=4, stage_timeout_s=60, fresh_workers=True)  # it kills a process
     try:

@@ -41,7 +41,8 @@ def test_ppo_runs_and_value_loss_falls(ray_cluster, base, tmp_path):
     assert {"critic/vf_clipfrac", "actor/clipfrac"} <= set(m.columns)
 
 
-@pytest.mark.parametrize("preset", ["tiny-cpu-grpo", pytest.param("tiny-cpu-ppo", marks=pytest.mark.full)])
+@pytest.mark.full  # the planes give identical outputs: tests/test_dataplane.py (default tier, synthetic)
+@pytest.mark.parametrize("preset", ["tiny-cpu-grpo", "tiny-cpu-ppo"])
 def test_every_mode_gives_identical_metrics(ray_cluster, base, preset):
     """The same seed on the same worker processes (reopen): the data plane changes nothing but the data path."""
     runs = {}

@@ -201,6 +201,7 @@ def test_seeded_and_the_global_rng_untouched(tok, prompts):
 # ---------------------------------------------------------------- through a session (Ray)
 
 
+@pytest.mark.full
 def test_grpo_async_with_partial_rollouts_on_the_hf_engine(ray_cluster, tmp_path):
     from distflow_lab.api.runner import load_run_config, open_session
 
