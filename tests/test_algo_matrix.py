@@ -66,7 +66,7 @@ def small(tmp_path_factory):
 # alternating the planes between them.
 PARTIAL_COORDINATOR = ("async", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
                                                "schedule.partial_rollout=true", "actor.off_policy=decoupled"])
-CELLS = {"grpo": SCHEDULES[2:], "dapo": [*SCHEDULES[:3], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
+CELLS = {"grpo": SCHEDULES[3:],  # colocated distributed: PPO, GSPO and REINFORCE++ cells "dapo": [*SCHEDULES[:3], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
          "ppo": [SCHEDULES[2], SCHEDULES[4], SCHEDULES[5], SCHEDULES[8]],
          "gspo": [SCHEDULES[2], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
          "dr_grpo": [SCHEDULES[8]], "rloo": [PARTIAL_COORDINATOR], "reinforce_plus_plus": [SCHEDULES[2], SCHEDULES[8]]}
@@ -146,7 +146,8 @@ def test_async_k0_is_sync_and_k1_is_one_step_off_on_a_real_engine(ray_cluster, t
 # groups: groups-sync and async on the coordinator, one step off and async on the distributed plane.
 # Async runs with partial rollouts on both planes that take it (vLLM's engine steps, rollout_vllm_stream.py).
 TP2 = ["rollout.tp=2"]  # one vLLM engine over both workers, tensor parallel over gloo
-VLLM_CELLS = {"grpo": [("colocated-tp2", "coordinator", TP2), SCHEDULES[8]],  # colocated tp=1: DAPO's cell
+VLLM_CELLS = {"grpo": [("colocated-tp2", "coordinator", TP2)],  # colocated tp=1: DAPO's cell; async with
+              # partial rollouts on vLLM: PPO's cell here and tests/test_multiturn_rollout.py
               "dapo": [SCHEDULES[0]], "gspo": [SCHEDULES[3], SCHEDULES[6]], "ppo": [PARTIAL_COORDINATOR]}
 
 

@@ -204,8 +204,6 @@ MT_CELLS = [("grpo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.ma
                                      "schedule.partial_rollout=true", "actor.off_policy=tis",  # preempts the turns
                                      "rollout.engine=vllm"]),  # in flight; they resume under the new weights
             ("ppo", "coordinator", [GROUPS, "schedule.kind=one_step_off", "actor.off_policy=tis"]),
-            ("gspo", "distributed", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
-                                     "actor.off_policy=decoupled"]),
             ("dapo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1"])]
 # (HF partial rollouts with trajectories across weight updates: test_partial_rollouts_carry_... above)
 
