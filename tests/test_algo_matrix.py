@@ -66,7 +66,8 @@ def small(tmp_path_factory):
 # alternating the planes between them.
 PARTIAL_COORDINATOR = ("async", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",
                                                "schedule.partial_rollout=true", "actor.off_policy=decoupled"])
-CELLS = {"grpo": SCHEDULES[3:],  # colocated distributed: PPO, GSPO and REINFORCE++ cells "dapo": [*SCHEDULES[:3], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
+CELLS = {"grpo": SCHEDULES[3:],  # (colocated on the distributed plane: PPO's, GSPO's and REINFORCE++'s cells)
+         "dapo": [*SCHEDULES[:3], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
          "ppo": [SCHEDULES[2], SCHEDULES[4], SCHEDULES[5], SCHEDULES[8]],
          "gspo": [SCHEDULES[2], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
          "dr_grpo": [SCHEDULES[8]], "rloo": [PARTIAL_COORDINATOR], "reinforce_plus_plus": [SCHEDULES[2], SCHEDULES[8]]}
