@@ -5,6 +5,7 @@
     distflow-lab bench dataplane|balance|serialization|memory|e2e|session-open [...]
     distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F] [--override K=V ..]
     distflow-lab data gsm8k|arithmetic [...]
+    distflow-lab eval CONFIG|PRESET [--rows N] [--samples N] [--temperature T] [--json F] [key=value ...]
 
 Arguments and configs are parsed and checked first, with light imports only:
 a bad argument or config fails in well under a second, before torch, Ray or
@@ -113,6 +114,19 @@ def cmd_run(a: argparse.Namespace) -> int:
     from distflow_lab.api.runner import train  # the heavy part: torch, Ray, transformers
 
     train(cfg, a.steps, a.out, overwrite=a.overwrite, resume=a.resume)
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from distflow_lab.algos.registry import load_run_config
+
+    fresh_file(a.json, a.overwrite)
+    cfg = load_run_config(a.config, list(a.overrides))  # a bad config or override fails before the model loads
+    if cfg.data.train not in ("arithmetic", "gsm8k"):
+        raise UsageError(f"eval has held-out sets for data.train arithmetic and gsm8k, not {cfg.data.train!r}")
+    from distflow_lab.experiments.base_eval import run
+
+    run(a.config, list(a.overrides), a.rows, a.samples, a.temperature, a.json)
     return 0
 
 
@@ -242,9 +256,19 @@ def add_run_args(r: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="distflow-lab", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{run,ablate,bench,soak,data}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="{run,eval,ablate,bench,soak,data}")
 
     add_run_args(sub.add_parser("run", help="an RL run (GRPO/PPO) from a preset or YAML"))
+
+    ev = sub.add_parser("eval", help="a preset's model on a fixed held-out set: accuracy, format rate, pass@n")
+    ev.add_argument("config", help="a YAML file or a preset name (smollm2-arith, smollm2-gsm8k, ...)")
+    ev.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. model.path=/my/checkpoint")
+    ev.add_argument("--rows", type=positive, default=64, help="held-out prompts")
+    ev.add_argument("--samples", type=positive, default=1, help="answers per prompt (1: greedy; n: sampled, pass@n)")
+    ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature when --samples > 1")
+    ev.add_argument("--json", help="write the result here")
+    ev.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+    ev.set_defaults(fn=cmd_eval)
 
     b = sub.add_parser("ablate", help="the paper's Fig. 10 ablation ladder")
     b.add_argument("--batches", type=int_list, default=[64, 128, 256], help="responses per step")

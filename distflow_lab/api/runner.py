@@ -21,7 +21,7 @@ from distflow_lab.algos.registry import build_dag, load_run_config, with_default
 from distflow_lab.algos.sft import warm_start
 from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.api.session import Session
-from distflow_lab.core.config import ConfigError, RunConfig
+from distflow_lab.core.config import ConfigError, RunConfig, cache_root
 from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
 from distflow_lab.datasets.guess_number import write_guess_number_parquet
 from distflow_lab.datasets.long_tail import write_long_tail_parquet
@@ -29,6 +29,7 @@ from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
 from distflow_lab.datasets.schema import read_table, validate_table
 from distflow_lab.graph.dag import DAG
 from distflow_lab.models.model_dir import ensure_tiny_model, has_model
+from distflow_lab.models.pretrained import PRETRAINED, ensure_pretrained
 from distflow_lab.observe.report import write_report
 from distflow_lab.observe.trace import to_chrome_trace
 from distflow_lab.observe.trackers import close_all, log_step, make_loggers
@@ -43,11 +44,14 @@ def prepare_data(cfg: RunConfig) -> str:
         seed = cfg.session.seed
         d = cfg.data
         ops = "" if d.arithmetic_ops == "+" else "-ops" + d.arithmetic_ops.replace("*", "x")  # old names stay valid
-        path = root / f"arithmetic-{d.arithmetic_rows}-max{d.arithmetic_max_operand}{ops}-s{seed}.parquet"
+        low = f"-min{d.arithmetic_min_operand}" if d.arithmetic_min_operand else ""
+        style = "" if d.arithmetic_style == "bare" else f"-{d.arithmetic_style}"
+        path = root / f"arithmetic-{d.arithmetic_rows}{low}-max{d.arithmetic_max_operand}{ops}{style}-s{seed}.parquet"
         if not path.exists():
             root.mkdir(parents=True, exist_ok=True)
-            write_arithmetic_parquet(path, d.arithmetic_rows, seed, max_operand=d.arithmetic_max_operand,
-                                     ops=tuple(dict.fromkeys(d.arithmetic_ops)))
+            write_arithmetic_parquet(path, d.arithmetic_rows, seed, min_operand=d.arithmetic_min_operand,
+                                     max_operand=d.arithmetic_max_operand, ops=tuple(dict.fromkeys(d.arithmetic_ops)),
+                                     style=d.arithmetic_style)
     elif cfg.data.train == "long_tail":
         lt = cfg.data.long_tail
         max_len = cfg.rollout.max_response_len - 1  # room for the eos
@@ -83,7 +87,13 @@ def prepare_model(cfg: RunConfig, data_path: str, progress: bool = True) -> RunC
     check that prompt + response fit the model's context. Returns the config the
     workers get (model.path pointing at the warm-started model)."""
     path = Path(cfg.model.path)
-    if cfg.model.tiny is not None:  # built here if absent; one built with another spec is an error
+    if (name := pretrained_name(cfg.model.path)) is not None:
+        if cfg.model.tiny is not None:
+            raise ConfigError(f"model.path {name!r} names a pretrained model, but model.tiny is set (it would build a "
+                              f"random tiny model there): set model.tiny=null")
+        path = ensure_pretrained(name, cache_root(), progress)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(path)})})
+    elif cfg.model.tiny is not None:  # built here if absent; one built with another spec is an error
         try:
             ensure_tiny_model(path, cfg.model.tiny, seed=cfg.session.seed)
         except ValueError as e:
@@ -97,6 +107,15 @@ def prepare_model(cfg: RunConfig, data_path: str, progress: bool = True) -> RunC
                           f"({context} positions, {path}/config.json)")
     tuned = warm_start(cfg, data_path, progress)
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(tuned)})})
+
+
+def pretrained_name(path: str) -> str | None:
+    """The named pretrained model `model.path` asks for (`models/pretrained.py`), if it names one:
+    the bare name, or that name resolved under the cache root."""
+    p = Path(path)
+    if path in PRETRAINED or (p.name in PRETRAINED and p.parent == cache_root()):
+        return p.name
+    return None
 
 
 def prepare(cfg: RunConfig, progress: bool = True) -> tuple[RunConfig, str]:

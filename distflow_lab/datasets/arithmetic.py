@@ -21,6 +21,12 @@ from typing import Any, Sequence
 from distflow_lab.datasets.schema import write_parquet
 
 DATA_SOURCE = "distflow/arithmetic"
+QUESTION_SOURCE = "distflow/arithmetic_question"
+STYLES = ("bare", "question")
+# For an instruct model: a question it reads as one, and an instruction to end on the number. The
+# reward takes the last number of the answer, a format SmolLM2-135M-Instruct already produces unprompted
+# (it never used a requested "####" format: DESIGN.md).
+QUESTION = "What is {expr}? Answer with the number."
 SUPPORTED_OPS = ("+", "-", "*")
 
 
@@ -46,12 +52,16 @@ def make_arithmetic_rows(
     num_terms: int = 2,
     allow_negative: bool = True,
     split: str = "train",
+    style: str = "bare",
 ) -> list[dict[str, Any]]:
     """`n` verl-schema rows like prompt "3+4=" -> ground_truth "7", deterministic per `seed`.
 
     `allow_negative=False` resamples expressions whose value is negative
-    (only possible when "-" is in `ops`).
+    (only possible when "-" is in `ops`). `style="question"` asks "What is 3 + 4? Answer with the
+    number." instead (data source `QUESTION_SOURCE`, scored on the answer's last number).
     """
+    if style not in STYLES:
+        raise ValueError(f"style must be one of {STYLES}, got {style!r}")
     if n < 0 or num_terms < 1:
         raise ValueError(f"need n >= 0 and num_terms >= 1, got n={n}, num_terms={num_terms}")
     if not 0 <= min_operand <= max_operand:
@@ -70,10 +80,13 @@ def make_arithmetic_rows(
                 break
         else:
             raise ValueError("could not sample a non-negative expression; loosen the difficulty")
-        expr = "".join(f"{x}{op}" for x, op in zip(xs, chosen_ops)) + f"{xs[-1]}="
+        if style == "bare":
+            expr = "".join(f"{x}{op}" for x, op in zip(xs, chosen_ops)) + f"{xs[-1]}="
+        else:
+            expr = QUESTION.format(expr="".join(f"{x} {op} " for x, op in zip(xs, chosen_ops)) + str(xs[-1]))
         rows.append(
             {
-                "data_source": DATA_SOURCE,
+                "data_source": DATA_SOURCE if style == "bare" else QUESTION_SOURCE,
                 "prompt": [{"role": "user", "content": expr}],
                 "ability": "arithmetic",
                 "reward_model": {"style": "rule", "ground_truth": str(value)},

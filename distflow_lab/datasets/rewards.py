@@ -130,6 +130,20 @@ def exact_match_reward(response: str, ground_truth: str, stop: str = "<eos>") ->
     return 1.0 if response.strip() == ground_truth.strip() else 0.0
 
 
+def last_number(response: str) -> str | None:
+    """The last number in `response`, normalised ("$1,000." -> "1000"), or None."""
+    found = _LENIENT_FLEXIBLE_RE.findall(response)
+    return normalize_number(found[-1]) if found else None
+
+
+def last_number_reward(response: str, ground_truth: str) -> float:
+    """1.0 if the response's last number equals the ground truth (both normalised), else 0.0.
+
+    For an instruct model asked a question in prose: it answers in sentences ("17 + 25 = 42."),
+    so the final number is its answer, a format it uses without being taught one."""
+    return 1.0 if last_number(response) == normalize_number(ground_truth) else 0.0
+
+
 def length_reward(response: str, ground_truth: str, stop: str = "<eos>") -> float:
     """The long-tail task (datasets/long_tail.py): a response that follows the digit pattern
     scores 1 - |its length - the target's| / the target's (at least 0); any other scores 0."""
@@ -165,6 +179,7 @@ class _BuiltIn(Mapping):
 REWARD_FNS: Mapping[str, RewardFn] = _BuiltIn({
     "openai/gsm8k": gsm8k_reward,
     "distflow/arithmetic": exact_match_reward,
+    "distflow/arithmetic_question": last_number_reward,
     "distflow/long_tail": length_reward,
 })
 

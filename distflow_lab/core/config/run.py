@@ -114,12 +114,24 @@ class DataOptions(Strict):
     """Largest operand of the arithmetic task (difficulty)."""
     arithmetic_ops: str = Field(default="+", pattern=r"^[+\-*]+$")
     """The arithmetic task's operators, any of "+-*" (e.g. "*": products a tool helps with)."""
+    arithmetic_min_operand: int = Field(default=0, ge=0)
+    """Smallest operand of the arithmetic task (10 with max 99: two-digit operands)."""
+    arithmetic_style: Literal["bare", "question"] = "bare"
+    """bare: "3+4=" -> "7" (the tiny char-level model); question: "What is 3 + 4? Answer with the number.",
+    scored on the answer's last number (an instruct model, through its chat template)."""
     long_tail: LongTailOptions = Field(default_factory=LongTailOptions)
     """The long-tail task's target lengths."""
     guess_number: GuessNumberData = Field(default_factory=GuessNumberData)
     """The guess-the-number game's rows."""
     cache_dir: str = "data"
     """Where generated (arithmetic) and converted (GSM8K) parquet files go. Relative: under the cache dir."""
+
+    @model_validator(mode="after")
+    def _operand_range(self) -> "DataOptions":
+        if self.arithmetic_min_operand > self.arithmetic_max_operand:
+            raise ValueError(f"data.arithmetic_min_operand={self.arithmetic_min_operand} is above "
+                             f"data.arithmetic_max_operand={self.arithmetic_max_operand}")
+        return self
 
 
 class VLLMOptions(Strict):
