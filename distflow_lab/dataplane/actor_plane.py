@@ -47,12 +47,27 @@ class ActorPlane:
     def __init__(self) -> None:
         self.rpcs = 0
         self.wait_s = 60.0
+        self._starting: list = []  # the actors' first answers, awaited at the first step (see _started)
 
     def actors(self) -> list:
         raise NotImplementedError
 
     def actor_name(self, index: int) -> str:
         raise NotImplementedError
+
+    def _started(self, pings: list) -> None:
+        """Actors just created: their processes start while the workers set up (the two overlap);
+        `ready` waits for them."""
+        self._starting = pings
+
+    def ready(self) -> None:
+        """After the workers' setup: every actor answers, or a named error."""
+        pings, self._starting = self._starting, []
+        try:
+            ray.get(pings, timeout=120)
+        except Exception as e:
+            raise self.lost(f"{self.actor_name(0)} did not start within 120 s ({type(e).__name__}): "
+                            f"the data plane's actors could not be placed") from None
 
     def begin_step(self, step: int) -> None:
         pass

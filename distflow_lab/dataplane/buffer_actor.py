@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from distflow_lab.dataplane.interface import Routing
-from distflow_lab.dataplane.routing import route
+from distflow_lab.dataplane.routing import Routing, route
 from distflow_lab.dataplane.step_state import StepState
 
 

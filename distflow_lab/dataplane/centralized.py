@@ -54,6 +54,9 @@ class CentralizedPlane:
                         if first.type == "data_load" and first.data is not None else [])
         return DriverSpec()
 
+    def ready(self) -> None:
+        """Nothing started in the background: the driver is the plane."""
+
     def begin_step(self, step: int) -> None:
         self._loaders_at_step_start = [ld.state_dict() for ld in self.loaders]
         self._counts = {}

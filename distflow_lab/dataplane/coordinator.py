@@ -45,7 +45,7 @@ class CoordinatorPlane(ActorPlane):
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
             max_restarts=3,  # a killed coordinator comes back empty; the step is retried
         ).remote(setup.switches.double_buffer, setup.wait_timeout_s)
-        ray.get(self.coordinator.ping.remote(), timeout=120)
+        self._started([self.coordinator.ping.remote()])
         return CoordinatorSpec(self.coordinator, setup.switches.local_cache, setup.routing,
                                setup.switches.rows_per_object, wait_timeout_s=setup.wait_timeout_s)
 

@@ -68,7 +68,7 @@ class DistributedPlane(ActorPlane):
         self.wait_s = min(60.0, setup.wait_timeout_s)
         self.buffers, _, self.buffer_of_worker = place_buffers(setup.worker_nodes, sw.num_buffers,
                                                                sw.double_buffer, setup.wait_timeout_s)
-        ray.get([b.ping.remote() for b in self.buffers], timeout=120)
+        self._started([b.ping.remote() for b in self.buffers])
         return BufferSpec(self.buffers, self.buffer_of_worker, sw.local_cache, setup.routing,
                           wait_timeout_s=setup.wait_timeout_s)
 

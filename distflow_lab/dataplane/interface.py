@@ -28,24 +28,14 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import Balance, Switches
+from distflow_lab.core.config import Switches
 from distflow_lab.core.spans import Span, SpanRecorder
+# Light modules of their own: the DataBuffer and coordinator actors import them without torch or pandas
+from distflow_lab.dataplane.ledger import LEDGER_COLUMNS, ledger_row  # noqa: F401 (re-exported)
+from distflow_lab.dataplane.routing import Routing  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from distflow_lab.graph.planner import Edge, Plan, Stage
-
-
-@dataclass(frozen=True)
-class Routing:
-    """How items are balanced where the layout changes: the policy, the workload
-    cost (a, b) of the model when known, and the optimizer's mini-batch count."""
-
-    policy: Balance = Balance.LPT
-    cost: tuple[float, float] | None = None
-    minibatches: int = 1
-
-    def kwargs(self) -> dict:
-        return {"cost": self.cost, "minibatches": self.minibatches}
 
 
 @dataclass
@@ -68,21 +58,6 @@ class Fetched:
     batch: Batch
     route: str  # "loader" | "cache" | "buffer" | "coordinator" | "driver" | "none"
     cache_hit: bool | None = None
-
-
-# Item counts per (step, edge) that every data plane reports: what went in, what came out.
-LEDGER_COLUMNS = ("items_reported", "items_in", "items_out", "pieces_in", "pieces_out",
-                  "items_dropped")  # the last: async schedules (too-stale batches, never trained)
-
-
-def ledger_row(step: int, edge: str, **counts: int) -> dict:
-    """The one shape of a ledger row: `step`, `edge` and every count of LEDGER_COLUMNS (0
-    unless given). A count not in LEDGER_COLUMNS is an error: it would vanish from the ledger."""
-    unknown = sorted(set(counts) - set(LEDGER_COLUMNS))
-    if unknown:
-        raise ValueError(f"ledger row for step {step} edge {edge!r}: unknown count(s) {unknown}; "
-                         f"the counts are {list(LEDGER_COLUMNS)}")
-    return {"step": step, "edge": edge, **{c: int(counts.get(c, 0)) for c in LEDGER_COLUMNS}}
 
 
 @dataclass
@@ -127,6 +102,8 @@ class DataPlane(Protocol):
     rpcs: int  # Ray calls the driver half made (and ray.put calls of the driver), cumulative
 
     def start(self, setup: PlaneSetup) -> WorkerSpec: ...
+
+    def ready(self) -> None: ...  # after the workers' setup: the plane's actors answer (they start meanwhile)
 
     def begin_step(self, step: int) -> None: ...
 

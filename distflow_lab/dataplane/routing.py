@@ -7,6 +7,7 @@ items in ascending global order.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -23,6 +24,19 @@ from distflow_lab.dataplane.partition import (
 
 if TYPE_CHECKING:  # the DataBuffer and the coordinator import this module and must stay free of torch
     from distflow_lab.core.batch import Batch
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How items are balanced where the layout changes: the policy, the workload
+    cost (a, b) of the model when known, and the optimizer's mini-batch count."""
+
+    policy: Balance = Balance.LPT
+    cost: tuple[float, float] | None = None
+    minibatches: int = 1
+
+    def kwargs(self) -> dict:
+        return {"cost": self.cost, "minibatches": self.minibatches}
 
 
 def item_lengths(batch: "Batch") -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from distflow_lab.dataplane.double_buffer import DoubleBuffer
-from distflow_lab.dataplane.interface import ledger_row
+from distflow_lab.dataplane.ledger import ledger_row
 
 
 @dataclass

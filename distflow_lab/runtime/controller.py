@@ -144,6 +144,7 @@ class Controller:
                                 schedule=self.config.schedule)
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
+            self.plane.ready()
             self.lanes = self._lanes() if self.plan.groups else None
         except BaseException:
             self.broken = self.broken or "set-up failed"  # workers half set up are never parked for reuse
