@@ -5,7 +5,7 @@
     distflow-lab bench dataplane|balance|serialization|memory|e2e|session-open [...]
     distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F] [--override K=V ..]
     distflow-lab data gsm8k|arithmetic [...]
-    distflow-lab eval CONFIG|PRESET [--rows N] [--samples N] [--temperature T] [--json F] [key=value ...]
+    distflow-lab eval CONFIG|PRESET [--rows N] [--samples N] [--temperature T] [--checkpoint DIR] [--json F] [key=value ...]
 
 Arguments and configs are parsed and checked first, with light imports only:
 a bad argument or config fails in well under a second, before torch, Ray or
@@ -126,7 +126,9 @@ def cmd_eval(a: argparse.Namespace) -> int:
         raise UsageError(f"eval has held-out sets for data.train arithmetic and gsm8k, not {cfg.data.train!r}")
     from distflow_lab.experiments.base_eval import run
 
-    run(a.config, list(a.overrides), a.rows, a.samples, a.temperature, a.json)
+    if a.checkpoint and not Path(a.checkpoint).exists():
+        raise UsageError(f"--checkpoint {a.checkpoint} does not exist")
+    run(a.config, list(a.overrides), a.rows, a.samples, a.temperature, a.json, a.checkpoint)
     return 0
 
 
@@ -266,6 +268,7 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--rows", type=positive, default=64, help="held-out prompts")
     ev.add_argument("--samples", type=positive, default=1, help="answers per prompt (1: greedy; n: sampled, pass@n)")
     ev.add_argument("--temperature", type=float, default=1.0, help="sampling temperature when --samples > 1")
+    ev.add_argument("--checkpoint", help="a run's trained policy: its folder, or one checkpoint folder in it")
     ev.add_argument("--json", help="write the result here")
     ev.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     ev.set_defaults(fn=cmd_eval)

@@ -76,7 +76,9 @@ PLANE_ACTORS = [("distributed", "buffer", BufferLost, r"DataBuffer died during s
                 ("coordinator", "coordinator", CoordinatorLost, r"coordinator died during step 1")]
 
 
-@pytest.mark.parametrize("mode,target,error,message", [PLANE_ACTORS[0]], ids=["buffer"])  # coordinator: below
+@pytest.mark.parametrize("mode,target,error,message",
+                         [PLANE_ACTORS[0], pytest.param(*PLANE_ACTORS[1], marks=pytest.mark.full)],
+                         ids=["buffer", "coordinator"])
 def test_plane_actor_killed_the_step_is_retried_and_every_item_accounted(ray_cluster, mode, target, error, message):
     s = lab.session(synth(), world_size=4, mode=mode)
     try:
@@ -98,7 +100,9 @@ def test_plane_actor_killed_the_step_is_retried_and_every_item_accounted(ray_clu
         s.close()
 
 
-@pytest.mark.parametrize("mode,target,error,message", [PLANE_ACTORS[1]], ids=["coordinator"])  # buffer: above
+@pytest.mark.parametrize("mode,target,error,message",
+                         [pytest.param(*PLANE_ACTORS[0], marks=pytest.mark.full), PLANE_ACTORS[1]],
+                         ids=["buffer", "coordinator"])
 def test_plane_actor_killed_twice_in_one_step_is_a_clear_error(ray_cluster, mode, target, error, message):
     """The first kill is retried; the second (during the retry) cannot be, and says so by name: no
     raw Ray error from the recovery path, and the session can go on after resume-free recovery."""

@@ -32,8 +32,9 @@ from distflow_lab.datasets.schema import read_table
 from distflow_lab.models.model_dir import load_model_dir
 from distflow_lab.models.rollout_hf import HFRollout
 from distflow_lab.models.sequences import decode_responses, tokenize_prompts
+from distflow_lab.runtime.checkpoint_files import latest_checkpoint
 
-HELDOUT_SEED_OFFSET = 1_000_003  # held-out arithmetic rows: another seed than any training file's
+HELDOUT_SEED = 1_000_003  # held-out arithmetic rows: one fixed set, drawn with a seed no training file uses
 
 # What "answered in the reward's format" means, per data source: the answer the reward reads was found.
 ANSWER_READERS = {
@@ -72,11 +73,11 @@ class EvalResult:
 
 
 def heldout_rows(cfg: RunConfig, rows: int) -> list[dict]:
-    """A fixed held-out set for the preset's task: GSM8K's test split, or arithmetic rows drawn with
-    a seed no training file uses."""
+    """A fixed held-out set for the preset's task, the same for every run seed: GSM8K's test split, or
+    arithmetic rows drawn with a seed no training file uses."""
     d = cfg.data
     if d.train == "arithmetic":
-        return make_arithmetic_rows(rows, cfg.session.seed + HELDOUT_SEED_OFFSET, min_operand=d.arithmetic_min_operand,
+        return make_arithmetic_rows(rows, HELDOUT_SEED, min_operand=d.arithmetic_min_operand,
                                     max_operand=d.arithmetic_max_operand, ops=tuple(dict.fromkeys(d.arithmetic_ops)),
                                     split="test", style=d.arithmetic_style)
     if d.train == "gsm8k":
@@ -88,17 +89,53 @@ def heldout_rows(cfg: RunConfig, rows: int) -> list[dict]:
     raise ValueError(f"eval knows the held-out sets of arithmetic and gsm8k, not data.train={d.train!r}")
 
 
-def evaluate(preset: str, overrides: list[str] | None = None, rows: int = 64, samples: int = 1,
-             temperature: float = 1.0, batch: int = 16, progress: bool = True, keep_examples: int = 4) -> EvalResult:
-    """Score the preset's model on `rows` held-out prompts (see the module docstring)."""
-    greedy = samples == 1
-    sampling = ["rollout.do_sample=false"] if greedy else ["rollout.do_sample=true", f"rollout.temperature={temperature}"]
-    cfg = load_run_config(preset, list(overrides or []) + [f"rollout.n={samples}", "rollout.log_probs=false",
-                                                           f"rollout.micro_batch={batch * samples}"] + sampling)
-    cfg, _ = prepare(cfg, progress)
-    held = heldout_rows(cfg, rows)
+def load_trained_policy(model: torch.nn.Module, checkpoint: str | Path) -> Path:
+    """Put a run's trained policy into `model` (the preset's base model): `checkpoint` is a checkpoint
+    folder, a run's `checkpoints/` folder or the run folder (then its newest complete checkpoint)."""
+    where = Path(checkpoint)
+    for candidate in (where / "checkpoints", where):
+        if candidate.is_dir() and not (candidate / "actor").is_dir() and (found := latest_checkpoint(candidate)):
+            where = found
+            break
+    weights = where / "actor" / "model.pt"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{checkpoint}: no trained policy (expected {weights}, a run's checkpoint folder)")
+    missing, unexpected = model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True),
+                                                strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:  # a tied head is saved once
+        raise ValueError(f"{weights} does not fit the preset's model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return where
+
+
+def eval_config(preset: str | RunConfig, overrides: list[str] | None = None, samples: int = 1,
+                temperature: float = 1.0, batch: int = 16, progress: bool = True) -> RunConfig:
+    """The preset's run config set up for scoring (greedy when samples == 1), model and data prepared."""
+    cfg = preset if isinstance(preset, RunConfig) else load_run_config(preset, list(overrides or []))
+    sampled = samples > 1
+    rollout = cfg.rollout.model_copy(update=dict(
+        n=samples, log_probs=False, micro_batch=batch * samples, do_sample=sampled,
+        temperature=temperature if sampled else cfg.rollout.temperature))
+    return prepare(cfg.model_copy(update={"rollout": rollout}), progress)[0]
+
+
+def evaluate(preset: str | RunConfig, overrides: list[str] | None = None, rows: int = 64, samples: int = 1,
+             temperature: float = 1.0, batch: int = 16, progress: bool = True, keep_examples: int = 4,
+             checkpoint: str | Path | None = None) -> EvalResult:
+    """Score the preset's model (or a run's trained policy: `checkpoint`) on `rows` held-out prompts
+    (see the module docstring)."""
+    cfg = eval_config(preset, overrides, samples, temperature, batch, progress)
     torch.manual_seed(cfg.session.seed)
     model, tok = load_model_dir(cfg.model.path)
+    where = cfg.model.path if checkpoint is None else str(load_trained_policy(model, checkpoint))
+    return score(model, tok, cfg, heldout_rows(cfg, rows), batch, progress, keep_examples, label=where)
+
+
+@torch.no_grad()
+def score(model: torch.nn.Module, tok, cfg: RunConfig, held: list[dict], batch: int = 16, progress: bool = True,
+          keep_examples: int = 4, label: str = "") -> EvalResult:
+    """Score `model` (any HF causal LM with the preset's tokenizer, e.g. a peer's trained one) on the
+    held-out rows, with the sampling of `cfg.rollout` (`eval_config` sets it)."""
+    samples = cfg.rollout.n
     engine = HFRollout(model, tok, cfg.rollout, cfg.data.max_prompt_len)
     reward = make_reward_fn(cfg.reward)
     scores, answered, finished, lengths, examples = [], [], [], [], []
@@ -113,9 +150,9 @@ def evaluate(preset: str, overrides: list[str] | None = None, rows: int = 64, sa
         ended = (n_tokens > 0) & (last == tok.eos_token_id)  # pad may equal eos: read the last kept token
         for i, text in enumerate(texts):
             row = part[i // samples]
-            truth, source = row["reward_model"]["ground_truth"], row["data_source"]
-            read = ANSWER_READERS.get(source, lambda t: t.strip() or None)
-            scores.append(reward(source, text, truth))
+            truth, data_source = row["reward_model"]["ground_truth"], row["data_source"]
+            read = ANSWER_READERS.get(data_source, lambda t: t.strip() or None)
+            scores.append(reward(data_source, text, truth))
             finished.append(bool(ended[i]))
             answered.append(bool(ended[i]) and read(text) is not None)
             lengths.append(int(n_tokens[i]))
@@ -124,18 +161,20 @@ def evaluate(preset: str, overrides: list[str] | None = None, rows: int = 64, sa
                                  "score": scores[-1]})
     groups = np.asarray(scores).reshape(len(held), samples)
     right = (groups > 0).sum(-1)
+    greedy = not cfg.rollout.do_sample
     return EvalResult(
-        preset=cfg.name, model=cfg.model.path, rows=len(held), samples=samples,
-        temperature=None if greedy else temperature, accuracy=float(groups.mean()),
+        preset=cfg.name, model=label or cfg.model.path, rows=len(held), samples=samples,
+        temperature=None if greedy else cfg.rollout.temperature, accuracy=float(groups.mean()),
         format_rate=float(np.mean(answered)), finished_rate=float(np.mean(finished)),
         pass_at_n=None if greedy else float((right > 0).mean()),
         mixed_groups=None if greedy else float(((right > 0) & (right < samples)).mean()),
         mean_response_tokens=float(np.mean(lengths)), seconds=time.perf_counter() - t0, examples=examples)
 
 
-def run(preset: str, overrides: list[str], rows: int, samples: int, temperature: float, out: str | None) -> EvalResult:
+def run(preset: str, overrides: list[str], rows: int, samples: int, temperature: float, out: str | None,
+        checkpoint: str | None = None) -> EvalResult:
     """The CLI's `eval`: print the table and some answers, write JSON if asked."""
-    result = evaluate(preset, overrides, rows, samples, temperature)
+    result = evaluate(preset, overrides, rows, samples, temperature, checkpoint=checkpoint)
     with pd.option_context("display.float_format", "{:.3f}".format, "display.width", 160):
         print(result.table().to_string())
     for e in result.examples:
