@@ -3,6 +3,7 @@
     distflow-lab run CONFIG|PRESET [--mode M] [--steps N] [--out DIR] [--overwrite] [--resume] [key=value ...]
     distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR] [--overwrite]
     distflow-lab bench dataplane|balance|serialization|memory|e2e|session-open [...]
+    distflow-lab bench peer --against trl [--preset P] [--steps N] [--engine E] [--rows N] [--prompts N] [--n N] [--max-tokens N] [--json F]
     distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F] [--override K=V ..]
     distflow-lab data gsm8k|arithmetic [...]
     distflow-lab eval CONFIG|PRESET [--rows N] [--samples N] [--temperature T] [--checkpoint DIR] [--json F] [key=value ...]
@@ -96,6 +97,29 @@ def check_bench_shape(workers: list[int], batch: int, n: int, rollout_tp: int) -
         problem = shape_problem(w, batch, n, rollout_tp)
         if problem:
             raise UsageError(problem)
+
+
+def check_peer(a: argparse.Namespace) -> None:
+    """`bench peer`: the peer installed and a config both systems can run, before the heavy imports."""
+    import importlib.util
+
+    if a.n is not None and a.n < 2:
+        raise UsageError(f"--n {a.n}: GRPO needs at least 2 responses per prompt (TRL's GRPOTrainer refuses fewer)")
+    if importlib.util.find_spec(a.against) is None:
+        raise UsageError(f"bench peer --against {a.against} needs {a.against}: pip install 'distflow_lab[bench]'")
+    from distflow_lab.algos.registry import load_run_config
+    from distflow_lab.experiments.bench.peer_trl import overrides_for
+
+    cfg = load_run_config(a.preset, overrides_for(a.engine, a.prompts, a.n, a.max_tokens))
+    if cfg.algorithm.name != "grpo":
+        raise UsageError(f"--preset {a.preset} runs {cfg.algorithm.name}; the peer comparison runs GRPO")
+    if cfg.rollout.n < 2:
+        raise UsageError(f"--preset {a.preset} has rollout.n={cfg.rollout.n}; GRPO against TRL needs --n 2 or more")
+    if cfg.actor.mini_batches != 1:
+        raise UsageError(f"--preset {a.preset} has actor.mini_batches={cfg.actor.mini_batches}; the peer comparison "
+                         "maps one optimizer step per RL step")
+    if cfg.data.train not in ("arithmetic", "gsm8k"):
+        raise UsageError(f"the held-out accuracy needs data.train arithmetic or gsm8k, not {cfg.data.train!r}")
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -195,6 +219,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from distflow_lab.experiments.bench import session_open
 
         session_open.run(a.engine, a.repeats, a.json)
+    elif a.which == "peer":
+        check_peer(a)
+        from distflow_lab.experiments.bench import peer_trl
+
+        peer_trl.run(a.preset, a.steps, a.rows, a.engine, a.prompts, a.n, a.max_tokens, a.json)
     elif a.which == "microbatch":
         from distflow_lab.experiments.bench import microbatch
 
@@ -364,7 +393,16 @@ def parser() -> argparse.ArgumentParser:
     so = bsub.add_parser("session-open", help="seconds to open a session: new worker processes vs the worker pool")
     so.add_argument("--engine", type=modes_list(("hf", "vllm"), "engine"), default=("hf",))
     so.add_argument("--repeats", type=positive, default=3)
-    for p in (d, bl, s, m, e, co, cl, asy, mb, so):
+    pe = bsub.add_parser("peer", help="the lab's GRPO against TRL's GRPOTrainer: same preset, checkpoint and prompts")
+    pe.add_argument("--against", choices=("trl",), default="trl", help="the peer system")
+    pe.add_argument("--preset", default="smollm2-arith", help="a GRPO preset or YAML file both systems run")
+    pe.add_argument("--steps", type=positive, default=4, help="RL steps per system (the first counts as warm-up)")
+    pe.add_argument("--engine", choices=("hf", "vllm"), default="vllm", help="the lab's rollout engine")
+    pe.add_argument("--rows", type=positive, default=64, help="held-out prompts scored after training")
+    pe.add_argument("--prompts", type=positive, default=None, help="prompts per step (default: the preset's)")
+    pe.add_argument("--n", type=positive, default=None, help="responses per prompt (default: the preset's)")
+    pe.add_argument("--max-tokens", type=positive, default=None, help="response length (default: the preset's)")
+    for p in (d, bl, s, m, e, co, cl, asy, mb, so, pe):
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)
