@@ -96,7 +96,7 @@ class TestSharedSessions:
 
 
 @pytest.mark.full  # stepping one stage at a time: tests/test_lab.py::test_step_stage_reports_real_numbers
-@pytest.mark.parametrize("mode", ["distributed", "coordinator"])
+@pytest.mark.parametrize("mode", ["coordinator"])
 def test_stepping_stage_by_stage_matches_whole_steps(ray_cluster, mode):
     a = lab.session(dag(), world_size=W, mode=mode)
     b = lab.session(dag(), world_size=W, mode=mode)
