@@ -21,7 +21,7 @@ from distflow_lab.algos.registry import build_dag, load_run_config, with_default
 from distflow_lab.algos.sft import warm_start
 from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.api.session import Session
-from distflow_lab.core.config import ConfigError, RunConfig, cache_root
+from distflow_lab.core.config import ConfigError, DataOptions, RunConfig, cache_root
 from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
 from distflow_lab.datasets.guess_number import write_guess_number_parquet
 from distflow_lab.datasets.long_tail import write_long_tail_parquet
@@ -34,6 +34,13 @@ from distflow_lab.observe.report import write_report
 from distflow_lab.observe.trace import to_chrome_trace
 from distflow_lab.observe.trackers import close_all, log_step, make_loggers
 from distflow_lab.runtime.checkpoint_files import latest_checkpoint
+
+
+def arithmetic_difficulty(d: DataOptions) -> dict:
+    """make_arithmetic_rows' difficulty and style from the data options: one mapping for the training
+    file and the held-out set (experiments/base_eval.py)."""
+    return dict(min_operand=d.arithmetic_min_operand, max_operand=d.arithmetic_max_operand,
+                ops=tuple(dict.fromkeys(d.arithmetic_ops)), style=d.arithmetic_style)
 
 
 def prepare_data(cfg: RunConfig) -> str:
@@ -49,9 +56,7 @@ def prepare_data(cfg: RunConfig) -> str:
         path = root / f"arithmetic-{d.arithmetic_rows}{low}-max{d.arithmetic_max_operand}{ops}{style}-s{seed}.parquet"
         if not path.exists():
             root.mkdir(parents=True, exist_ok=True)
-            write_arithmetic_parquet(path, d.arithmetic_rows, seed, min_operand=d.arithmetic_min_operand,
-                                     max_operand=d.arithmetic_max_operand, ops=tuple(dict.fromkeys(d.arithmetic_ops)),
-                                     style=d.arithmetic_style)
+            write_arithmetic_parquet(path, d.arithmetic_rows, seed, **arithmetic_difficulty(d))
     elif cfg.data.train == "long_tail":
         lt = cfg.data.long_tail
         max_len = cfg.rollout.max_response_len - 1  # room for the eos

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from distflow_lab.algos.engine_setup import make_reward_fn
 from distflow_lab.algos.registry import load_run_config
-from distflow_lab.api.runner import prepare
+from distflow_lab.api.runner import arithmetic_difficulty, prepare
 from distflow_lab.core.config import RunConfig
 from distflow_lab.datasets.arithmetic import make_arithmetic_rows
 from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
@@ -77,9 +77,7 @@ def heldout_rows(cfg: RunConfig, rows: int) -> list[dict]:
     arithmetic rows drawn with a seed no training file uses."""
     d = cfg.data
     if d.train == "arithmetic":
-        return make_arithmetic_rows(rows, HELDOUT_SEED, min_operand=d.arithmetic_min_operand,
-                                    max_operand=d.arithmetic_max_operand, ops=tuple(dict.fromkeys(d.arithmetic_ops)),
-                                    split="test", style=d.arithmetic_style)
+        return make_arithmetic_rows(rows, HELDOUT_SEED, split="test", **arithmetic_difficulty(d))
     if d.train == "gsm8k":
         path = Path(d.cache_dir) / "gsm8k-test.parquet"
         if not path.exists():

@@ -106,11 +106,10 @@ def ensure_pretrained(name: str, cache: Path, progress: bool = True) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, target)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
         if not (target / "model.safetensors").is_file():  # another process did not win the race either
             raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed or lost conversion leaves nothing behind
     return target
 
 
