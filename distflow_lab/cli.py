@@ -2,7 +2,7 @@
 
     distflow-lab run CONFIG|PRESET [--mode M] [--steps N] [--out DIR] [--overwrite] [--resume] [key=value ...]
     distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR] [--overwrite]
-    distflow-lab bench dataplane|balance|serialization|memory|e2e|session-open [...]
+    distflow-lab bench dataplane|balance|serialization|memory|e2e|session-open|matrix [...]
     distflow-lab bench peer --against trl [--preset P] [--steps N] [--engine E] [--rows N] [--prompts N] [--n N] [--max-tokens N] [--json F]
     distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F] [--override K=V ..]
     distflow-lab data gsm8k|arithmetic [...]
@@ -224,6 +224,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from distflow_lab.experiments.bench import peer_trl
 
         peer_trl.run(a.preset, a.steps, a.rows, a.engine, a.prompts, a.n, a.max_tokens, a.json)
+    elif a.which == "matrix":
+        from distflow_lab.experiments.bench import matrix
+
+        matrix.run(a.preset, a.cells or matrix.DEFAULT_CELLS, a.steps, a.override, a.json)
     elif a.which == "microbatch":
         from distflow_lab.experiments.bench import microbatch
 
@@ -373,8 +377,9 @@ def parser() -> argparse.ArgumentParser:
                      help="e.g. sync,one_step_off,async:k=2:partial (first: sync, the baseline); default: all eight")
     asy.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                      help="a config override for the real engines' preset (repeatable)")
-    asy.add_argument("--workload", choices=("longtail", "calculator"), default="longtail",
-                     help="the real engines' task: long-tail answers, or multi-turn calls to a calculator tool")
+    asy.add_argument("--workload", choices=("longtail", "calculator", "smollm2-arith"), default="longtail",
+                     help="the real engines' task: long-tail answers, multi-turn calls to a calculator tool, or "
+                          "the pretrained SmolLM2-135M-Instruct on arithmetic (its own answer lengths)")
     asy.add_argument("--tool-latency", type=tool_latency, default=(50.0, 1.0), metavar="MEDIAN_MS:SIGMA",
                      help="calculator workload: each tool call's delay, lognormal (default 50:1.0)")
     co = bsub.add_parser("coordinator", help="the coordinator actor alone: metadata handling per step")
@@ -402,7 +407,14 @@ def parser() -> argparse.ArgumentParser:
     pe.add_argument("--prompts", type=positive, default=None, help="prompts per step (default: the preset's)")
     pe.add_argument("--n", type=positive, default=None, help="responses per prompt (default: the preset's)")
     pe.add_argument("--max-tokens", type=positive, default=None, help="response length (default: the preset's)")
-    for p in (d, bl, s, m, e, co, cl, asy, mb, so, pe):
+    mx = bsub.add_parser("matrix", help="every algorithm x schedule x engine on one preset's model: runs or refused")
+    mx.add_argument("--preset", default="smollm2-arith", help="a preset or YAML file")
+    mx.add_argument("--cells", type=lambda v: tuple(v.split(",")), default=None,
+                    help="comma-separated algorithm/schedule/engine[/dtype][+tis] (default: the module's twelve)")
+    mx.add_argument("--steps", type=positive, default=2, help="steps per cell (async cells one more)")
+    mx.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every cell (repeatable)")
+    for p in (d, bl, s, m, e, co, cl, asy, mb, so, pe, mx):
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)

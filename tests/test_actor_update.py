@@ -12,7 +12,7 @@ from distflow_lab.algos import grpo
 from distflow_lab.algos.engine_setup import Policy, RLEngines
 from distflow_lab.algos.registry import ALGORITHMS, build_dag, with_defaults
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import RunConfig, load_model
+from distflow_lab.core.config import ConfigError, RunConfig, load_model
 from distflow_lab.graph.nodes import resolve_function
 from distflow_lab.models.sequences import assemble_columns
 from distflow_lab.runtime.context import local_context
@@ -35,7 +35,7 @@ class FakeActor:
         self.calls = []
 
     def train_step(self, mini, loss_fn, agg, with_entropy=False, mask_key="response_mask"):
-        lp = mini["old_log_probs"] + 0.1
+        lp = mini.get("old_log_probs", -torch.ones_like(mini["advantages"])) + 0.1  # from_update: no column
         loss, mask, metrics = loss_fn(mini, lp, torch.ones_like(lp) if with_entropy else None)
         self.calls.append((set(mini), agg, loss))
         return {"loss": float(loss.sum()), "is_ratio_max": float(len(self.calls)), **metrics}
@@ -80,6 +80,37 @@ def test_update_metrics_average_over_mini_batches_but_max_stays_a_max():
     assert ctx.metrics["actor/is_ratio_max"] == 2.0  # the max of the two steps (1, 2), not their mean
     losses = [float(c[2].sum()) for c in ctx.engines.actor.calls]
     assert ctx.metrics["actor/loss"] == pytest.approx(sum(losses) / 2)
+
+
+@pytest.mark.parametrize("name", [n for n in ALGORITHMS if n != "ppo"])
+@pytest.mark.parametrize("groups", [None, {"rollout": 1, "train": 1}])
+def test_old_log_prob_from_update_drops_the_pass_and_measures_the_mismatch_in_the_update(name, groups):
+    cfg = run_config(name, actor={"old_log_prob": "from_update", "off_policy": "tis", "use_kl_loss": True},
+                     cluster={"world_size": 2 if groups else 1, "torch_distributed": bool(groups)},
+                     **({"groups": groups} if groups else {}))
+    dag = build_dag(cfg, "unused.parquet")
+    assert "old_log_prob" not in dag.ids and "ref_log_prob" in dag.ids
+    order = [s.id for s in dag.plan(cfg.cluster.world_size).stages]
+    assert order.index("advantage") < order.index("ref_log_prob") < order.index("actor_update")
+    ctx = local_context(dag.plan(cfg.cluster.world_size), "actor_update", config=cfg,
+                        engines=RLEngines(None, None, actor=FakeActor()))
+    rows = batch()
+    resolve_function(dag["actor_update"].fn)(Batch({k: v for k, v in rows.tensors.items() if k != "old_log_probs"},
+                                                   rows.objects), ctx)
+    cols = ctx.engines.actor.calls[0][0]
+    assert "old_log_probs" not in cols and "rollout_log_probs" in cols
+    # the update's forward is the old policy: ratio 1, and the mismatch is rollout vs that forward (1 - 0.1 - lp)
+    assert ctx.metrics["rollout/logprob_diff_mean"] > 0 and "actor/rollout/logprob_diff_mean" not in ctx.metrics
+
+
+@pytest.mark.parametrize("change, named", [({"actor": {"mini_batches": 2}}, "actor.mini_batches=2"),
+                                           ({"algorithm": {"use_kl_in_reward": True}}, "use_kl_in_reward"),
+                                           ({"algorithm": {"name": "ppo"}}, "algorithm ppo")])
+def test_old_log_prob_from_update_is_refused_where_the_update_is_not_the_old_policy(change, named):
+    sections = {"actor": {"old_log_prob": "from_update", **change.get("actor", {})},
+                **{k: v for k, v in change.items() if k != "actor"}}
+    with pytest.raises(ConfigError, match=rf"actor.old_log_prob=from_update .*{named}"):
+        run_config(sections.get("algorithm", {}).get("name", "grpo"), **sections)
 
 
 @pytest.mark.parametrize("name", list(ALGORITHMS))

@@ -95,6 +95,11 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
             assert max(diff) < 1e-4, (where, diff)
         elif schedule == "one_step_off" and algo in ("grpo", "gspo"):  # it lags one update: the weights moved
             assert diff[-1] > 1e-6, (where, diff)
+        lag = [x["actor/stale_token_frac"] for x in m]
+        if schedule in ("colocated", "groups-sync"):
+            assert lag == [0.0] * len(m), (where, lag)  # every token from the version being trained
+        elif schedule == "one_step_off":
+            assert lag[0] == 0.0 and lag[-1] == 1.0, (where, lag)  # generated one update behind
         if schedule == "colocated":
             continue
         versions = [x["schedule/policy_version"] for x in m]

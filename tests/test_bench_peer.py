@@ -51,6 +51,6 @@ def test_trl_config_maps_the_labs_settings(kl, tmp_path):
 
 
 def test_trl_config_refuses_several_updates_per_step(tmp_path):
-    cfg = load_run_config("smollm2-arith", ["actor.mini_batches=2"])
+    cfg = load_run_config("smollm2-arith", ["actor.mini_batches=2", "actor.old_log_prob=recompute"])
     with pytest.raises(ValueError, match="mini_batches=2"):
         trl_config(cfg, 1, tmp_path)

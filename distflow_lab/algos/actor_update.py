@@ -44,11 +44,13 @@ def gspo_policy(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: t
     return gspo_token_loss(old, new, adv, mask, a.clip_ratio_low, a.clip_ratio_high)
 
 
-def needed_columns(a: ActorOptions) -> list[str]:
+def needed_columns(a: ActorOptions, has_rollout_log_probs: bool = False) -> list[str]:
     """The columns the update reads: the model inputs, and what each enabled term needs."""
-    cols = [*MODEL_INPUTS, "response_mask", "old_log_probs", "advantages"]
-    if a.off_policy != "none":
-        cols.append("rollout_log_probs")
+    cols = [*MODEL_INPUTS, "response_mask", "advantages"]
+    if a.old_log_prob == "recompute":
+        cols.append("old_log_probs")
+    if a.off_policy != "none" or (a.old_log_prob == "from_update" and has_rollout_log_probs):
+        cols.append("rollout_log_probs")  # the correction's behaviour policy, or the mismatch measured here
     if a.use_kl_loss:
         cols.append("ref_log_probs")
     return cols
@@ -60,9 +62,14 @@ def actor_loss(a: ActorOptions, policy_loss: PolicyLoss):
 
     def loss_fn(mb: dict, log_probs: torch.Tensor, entropy: torch.Tensor | None):
         mask = mb[loss_mask_key(mb)]
-        loss, metrics = policy_loss(mb["old_log_probs"], log_probs, mb["advantages"], mask, a)
+        # from_update: these weights are the ones the batch is scored under (one mini-batch, checked
+        # in registry.check_old_log_prob), so the old policy is this forward without its gradient
+        old = log_probs.detach() if a.old_log_prob == "from_update" else mb["old_log_probs"]
+        loss, metrics = policy_loss(old, log_probs, mb["advantages"], mask, a)
+        if a.old_log_prob == "from_update" and "rollout_log_probs" in mb:  # no old_log_prob stage to log it
+            metrics.update(mismatch(mb["rollout_log_probs"], old, mask))
         if a.off_policy != "none":  # samples from an older policy: weigh by pi_prox / pi_behaviour
-            w, more = off_policy_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, a.off_policy, a.is_cap,
+            w, more = off_policy_weights(old, mb["rollout_log_probs"], mask, a.off_policy, a.is_cap,
                                          behav_cap=a.behav_imp_weight_cap)
             loss, metrics = loss * w, {**metrics, **more}
         if a.use_kl_loss:
@@ -81,13 +88,44 @@ def update_actor(batch: Batch, ctx: StageContext, policy_loss: PolicyLoss, actor
     new policy version. `actor` overrides the run's actor options (DAPO's switches)."""
     a, e = actor or ctx.config.actor, ctx.engines
     key = loss_mask_key(batch)  # multi-turn: the environment's tokens carry no loss
-    cols = {k: batch[k] for k in {*needed_columns(a), key}}
+    cols = {k: batch[k] for k in {*needed_columns(a, "rollout_log_probs" in batch), key}}
     per_step = [e.actor.train_step(mini, actor_loss(a, policy_loss), a.loss_agg_mode,
                                    with_entropy=a.entropy_coeff > 0, mask_key=key)
                 for mini in mini_batches(cols, a.mini_batches)]
+    lag = policy_lag(batch, key, e.policy.version)  # before the update: the version being trained
     e.policy.updated()
-    ctx.log(**{f"actor/{k}": v for k, v in over_steps(per_step).items()})
+    metrics = {**over_steps(per_step), **lag}
+    ctx.log(**{k if k.startswith("rollout/") else f"actor/{k}": v for k, v in metrics.items()})
     return batch
+
+
+def mismatch(rollout_lp: torch.Tensor, trainer_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout's log-probs are from the trainer's on the sampled tokens: mean and max
+    |difference|, and KL(rollout || trainer) by the k3 estimator (samples come from the rollout)."""
+    valid = mask.bool()
+    diff = (rollout_lp - trainer_lp).abs()
+    return {"rollout/logprob_diff_mean": masked_mean(diff, mask).item(),
+            "rollout/logprob_diff_max": float(diff[valid].max()) if valid.any() else 0.0,
+            "rollout/logprob_kl": masked_mean(kl_penalty(rollout_lp, trainer_lp, "k3"), mask).item()}
+
+
+def policy_lag(batch: Batch, mask_key: str, current: int) -> dict[str, float]:
+    """How off-policy the trained batch is: the share of its loss tokens sampled by a policy older
+    than the one this update starts from (stale_token_frac), and the share of responses whose
+    tokens come from two or more versions (mixed_version_frac: partial rollouts resumed across an
+    update). From the rollout's per-token versions, else its per-response version."""
+    mask = batch[mask_key].bool()
+    if "token_versions" in batch:
+        v = batch["token_versions"]
+    elif "version" in batch:
+        v = batch["version"][:, None].expand_as(mask)
+    else:
+        return {}
+    lo = torch.where(mask, v, torch.iinfo(v.dtype).max).min(1).values
+    hi = torch.where(mask, v, torch.iinfo(v.dtype).min).max(1).values
+    rows = mask.any(1)
+    return {"stale_token_frac": float(((v < current) & mask).sum() / mask.sum().clamp(min=1)),
+            "mixed_version_frac": float(((hi > lo) & rows).sum() / rows.sum().clamp(min=1))}
 
 
 def over_steps(per_step: list[dict[str, float]]) -> dict[str, float]:

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from distflow_lab.algos.actor_update import MODEL_INPUTS, ppo_policy, update_actor
+from distflow_lab.algos.actor_update import MODEL_INPUTS, mismatch, ppo_policy, update_actor
 from distflow_lab.algos.engine_setup import sync_weights
 from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards
-from distflow_lab.algos.losses import apply_kl_in_reward, kl_penalty, loss_mask_key, masked_mean
+from distflow_lab.algos.losses import apply_kl_in_reward, loss_mask_key, masked_mean
 from distflow_lab.algos.multiturn import env_scores, multi_turn_rollout
 from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
 from distflow_lab.algos.streaming import partial_rollouts, stream_rollout
@@ -46,7 +46,9 @@ def fit_kl(dag: DAG, cfg: RunConfig) -> DAG:
     """The KL terms decide where the reference pass and the advantage go (GRPO, DAPO, GSPO):
     - KL in the reward (algorithm.use_kl_in_reward): the advantage needs both log-probs, so it
       moves after them, into the training layout (as in PPO's DAG);
-    - no KL anywhere: nothing reads the reference's log-probs, so its pass goes."""
+    - no KL anywhere: nothing reads the reference's log-probs, so its pass goes.
+    And actor.old_log_prob=from_update: the update's own forward is the old policy, so the
+    old_log_prob pass goes too (registry.check_old_log_prob says where that is allowed)."""
     uses_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     if cfg.algorithm.use_kl_in_reward:
         before = dag["advantage"].deps
@@ -58,6 +60,19 @@ def fit_kl(dag: DAG, cfg: RunConfig) -> DAG:
         for node in ("actor_update", "advantage"):
             deps = [d for d in dag[node].deps if d != "ref_log_prob"]
             dag.replace(node, deps=deps or ["old_log_prob"])
+    if cfg.actor.old_log_prob == "from_update":  # the update's forward is the old policy: this pass goes
+        bypass(dag, "old_log_prob")
+    return dag
+
+
+def bypass(dag: DAG, node: str) -> DAG:
+    """Remove `node`; whatever depended on it depends on its dependencies instead."""
+    before = dag[node].deps
+    dag.remove(node)
+    for n in list(dag):
+        if node in n.deps:
+            deps = [d for d in n.deps if d != node]
+            dag.replace(n.id, deps=deps + [d for d in before if d not in deps])
     return dag
 
 
@@ -134,16 +149,6 @@ def old_log_prob(batch: Batch, ctx: StageContext) -> Batch:
     if "rollout_log_probs" in batch:  # the rollout engine's log-probs of the same tokens, against the trainer's
         ctx.log(**mismatch(batch["rollout_log_probs"], log_probs, mask))
     return batch.with_columns(old_log_probs=log_probs)
-
-
-def mismatch(rollout_lp: torch.Tensor, trainer_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the rollout's log-probs are from the trainer's on the sampled tokens: mean and max
-    |difference|, and KL(rollout || trainer) by the k3 estimator (samples come from the rollout)."""
-    valid = mask.bool()
-    diff = (rollout_lp - trainer_lp).abs()
-    return {"rollout/logprob_diff_mean": masked_mean(diff, mask).item(),
-            "rollout/logprob_diff_max": float(diff[valid].max()) if valid.any() else 0.0,
-            "rollout/logprob_kl": masked_mean(kl_penalty(rollout_lp, trainer_lp, "k3"), mask).item()}
 
 
 def ref_log_prob(batch: Batch, ctx: StageContext) -> Batch:

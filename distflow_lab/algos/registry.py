@@ -77,7 +77,25 @@ def check_run_config(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.dapo.{field}: DAPO's switches have no meaning for algorithm {name!r}")
     if ALGORITHMS[name].check is not None:
         ALGORITHMS[name].check(cfg)
+    check_old_log_prob(cfg)
     check_multi_turn(cfg)
+
+
+def check_old_log_prob(cfg: RunConfig) -> None:
+    """actor.old_log_prob=from_update takes the old policy from the update's own forward: right only
+    when that forward runs with the weights that will be updated and nothing else needs the column."""
+    if cfg.actor.old_log_prob != "from_update":
+        return
+    why = None
+    if cfg.actor.mini_batches > 1:
+        why = (f"actor.mini_batches={cfg.actor.mini_batches}: every mini-batch after the first trains on weights "
+               "the previous one changed, so its old policy is not the update's")
+    elif cfg.algorithm.use_kl_in_reward:
+        why = "algorithm.use_kl_in_reward: the advantage reads the old log-probs before the update runs"
+    elif cfg.algorithm.name == "ppo":
+        why = "algorithm ppo: its DAG computes values and GAE after the old log-probs (not rewired for this)"
+    if why:
+        raise ConfigError(f"actor.old_log_prob=from_update cannot run with {why}; use actor.old_log_prob=recompute")
 
 
 def check_multi_turn(cfg: RunConfig) -> None:

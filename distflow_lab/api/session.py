@@ -347,7 +347,9 @@ class Session:
     def mismatch(self):
         """How far the rollout engine's log-probs are from the trainer's on the same tokens: per step
         (rollout/logprob_diff_mean, _max, rollout/logprob_kl) and over the latest step's tokens on
-        the first worker that computed them (needs rollout.log_probs=true)."""
+        the first worker that computed them (needs rollout.log_probs=true; with
+        actor.old_log_prob=from_update the update logs the per-step series and no stage keeps the
+        trainer's per-token log-probs, so the token histogram is left out)."""
         from distflow_lab.observe.mismatch import mismatch_figure, token_diffs
 
         diffs = None

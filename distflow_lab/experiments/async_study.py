@@ -118,7 +118,7 @@ def run_variant(s: Session, v: Variant, seed: int, steps: int, bar=None) -> pd.D
             bar.update(1)
     df = pd.DataFrame(rows)
     items = s.items()
-    tokens = items[items["stage"] == "old_log_prob"].groupby("update")["tokens"].sum()
+    tokens = items[items["stage"] == "actor_update"].groupby("update")["tokens"].sum()
     df["tokens"] = df["step"].map(tokens).astype(float)
     df["tokens_per_s"] = df["tokens"] / df["wall_s"]
     return df.assign(variant=v.name, schedule=v.schedule, k=v.k, off_policy=v.off_policy, seed=seed)

@@ -259,6 +259,8 @@ class ActorOptions(Optim):
     """Truncated IS: the cap on pi_prox / pi_behaviour."""
     behav_imp_weight_cap: float | None = Field(default=None, gt=1)
     """Decoupled PPO (off_policy=decoupled only): drop tokens whose pi_prox / pi_behaviour exceeds this from the loss (AReaL); None: keep all."""
+    old_log_prob: Literal["recompute", "from_update"] = "recompute"
+    """The PPO ratio's old policy: a forward pass over the batch before the update (recompute), or the update's own forward, detached (from_update: TRL's on-policy shortcut, one forward pass fewer; one mini-batch only, and no KL in the reward)."""
 
     @model_validator(mode="after")
     def _cap_needs_decoupled(self) -> "ActorOptions":

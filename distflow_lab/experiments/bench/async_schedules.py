@@ -57,7 +57,8 @@ SCHEDULES: list[tuple[str, dict]] = [
     ("async", {"max_staleness": 4, "partial_rollout": False}),
 ]
 GEN, TRAIN = ["data", "rollout", "reward", "advantage"], ["old_log_prob", "ref_log_prob", "actor_update"]
-WORKLOADS = {"longtail": "tiny-cpu-longtail", "calculator": "tiny-cpu-calculator"}  # real engines' presets
+WORKLOADS = {"longtail": "tiny-cpu-longtail", "calculator": "tiny-cpu-calculator",  # real engines' presets
+             "smollm2-arith": "smollm2-arith"}  # the real pretrained model (its own answer lengths)
 
 
 def long_tail_dag(batch: int = 16, n: int = 4, workers: int = 4, decode_us: float = 1000.0,
@@ -79,7 +80,7 @@ def measure(s: Session, steps: int, warmup: int) -> dict:
     first = len(s.metrics)
     m = s.run(steps, progress=False)
     items = s.items()
-    trained = items[(items["stage"] == "old_log_prob") & items["update"].isin(m["step"])]
+    trained = items[(items["stage"] == "actor_update") & items["update"].isin(m["step"])]
     return {"tokens_per_s": float(trained.tokens.sum() / m.wall_s.sum()), "step_s": float(m.wall_s.median()),
             "trainer_idle": float(m["schedule/trainer_idle"].mean()),
             "rollout_idle": float(m["schedule/rollout_idle"].mean()),
@@ -88,7 +89,7 @@ def measure(s: Session, steps: int, warmup: int) -> dict:
             "dropped_batches": float(m["schedule/dropped_batches"].iloc[-1]),
             "stale_seq_frac": _stale_fraction(m, trained),
             "len_max_over_median": float(m.get("rollout/len_max_over_median", pd.Series([float("nan")])).median()),
-            **_weight_sync(s.spans, m["step"]), **_turns(s.spans, m), "spans": s.spans, "steps": list(range(first, first + steps))}
+            **weight_sync_per_update(s.spans, m["step"]), **_turns(s.spans, m), "spans": s.spans, "steps": list(range(first, first + steps))}
 
 
 def _turns(spans: pd.DataFrame, m: pd.DataFrame) -> dict:
@@ -101,7 +102,7 @@ def _turns(spans: pd.DataFrame, m: pd.DataFrame) -> dict:
             "env_wait_s": float(waits.reindex(m["step"], fill_value=0.0).median())}
 
 
-def _weight_sync(spans: pd.DataFrame, steps: pd.Series) -> dict:
+def weight_sync_per_update(spans: pd.DataFrame, steps: pd.Series) -> dict:
     """Per training update: the policy's trip from trainer to rollout group (`weight_sync` spans:
     the trainer's export and post, the rollout's pull and load), seconds summed, bytes of one copy of the policy."""
     ws = spans[(spans.phase == "weight_sync") & spans.step.isin(steps)]

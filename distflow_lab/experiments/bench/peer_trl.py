@@ -29,9 +29,10 @@ more than one step, medians, min/max and tokens/s are over the steps after the f
 `first_step_s` shows the first.
 
 Settings the two cannot share (`trl_config` maps the rest; `tests/test_bench_peer.py` checks it):
-- TRL skips the old-policy log-prob pass when it updates once per generation (num_iterations 1,
-  steps_per_generation 1): the ratio is taken against the detached current log-probs, so its
-  `logprob_s` is 0 where the lab runs the old_log_prob stage (a forward over the batch).
+- The old policy. TRL skips the old-policy log-prob pass when it updates once per generation
+  (num_iterations 1, steps_per_generation 1): the ratio is taken against the detached current
+  log-probs. The lab does the same with `actor.old_log_prob: from_update` (the smollm2 presets);
+  with `recompute` it runs the old_log_prob stage, a forward over the batch, timed as `logprob_s`.
 - The lab's dual clip for negative advantages (`actor.clip_ratio_c`) has no TRL counterpart (TRL's
   `delta` clamps the ratio from above for every token, a different rule). On-policy, with one
   update per batch, the ratio is 1 and neither clip acts.
