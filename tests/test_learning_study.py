@@ -4,7 +4,7 @@ import json
 import pandas as pd
 import pytest
 
-from distflow_lab.experiments.learning_study import interval, summarize
+from distflow_lab.experiments.learning_study import interval, parse_args, summarize
 
 
 def test_interval_is_a_t_interval_and_one_seed_has_none():
@@ -31,3 +31,8 @@ def test_summary_reads_every_seed_and_writes_json_and_curves(tmp_path, capsys):
     assert s["reward_per_step"]["seed1"] == [0.1, 0.2, 1.3] and s["step_seconds_median"] == 3.0  # first step left out
     assert json.loads((tmp_path / "study.json").read_text()) == s and (tmp_path / "curves.html").stat().st_size > 0
     assert "trained, mean [95% CI] over 2 seeds" in capsys.readouterr().out
+
+
+def test_overrides_may_follow_the_options_as_the_readme_writes_them():
+    a = parse_args(["smollm2-arith", "--seeds", "0,1", "--out", "runs/study", "rollout.engine=vllm", "seed=3"])
+    assert (a.preset, a.seeds, a.out, a.overrides) == ("smollm2-arith", "0,1", "runs/study", ["rollout.engine=vllm", "seed=3"])

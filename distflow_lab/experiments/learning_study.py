@@ -81,7 +81,7 @@ def summarize(out: Path) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("preset")
     ap.add_argument("overrides", nargs="*")
@@ -90,7 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--out", required=True)
     ap.add_argument("--summarize", action="store_true", help="only rebuild the summary from --out")
-    a = ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # overrides may follow the options, as in the module's example
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     if a.summarize:
         summarize(Path(a.out))
     else:
