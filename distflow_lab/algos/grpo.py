@@ -56,23 +56,9 @@ def fit_kl(dag: DAG, cfg: RunConfig) -> DAG:
         dag.replace("advantage", deps=["old_log_prob", "ref_log_prob"], layout=dag["old_log_prob"].layout)
         dag.replace("actor_update", deps=["advantage"])
     if not uses_ref:
-        dag.remove("ref_log_prob")
-        for node in ("actor_update", "advantage"):
-            deps = [d for d in dag[node].deps if d != "ref_log_prob"]
-            dag.replace(node, deps=deps or ["old_log_prob"])
+        dag.bypass("ref_log_prob")
     if cfg.actor.old_log_prob == "from_update":  # the update's forward is the old policy: this pass goes
-        bypass(dag, "old_log_prob")
-    return dag
-
-
-def bypass(dag: DAG, node: str) -> DAG:
-    """Remove `node`; whatever depended on it depends on its dependencies instead."""
-    before = dag[node].deps
-    dag.remove(node)
-    for n in list(dag):
-        if node in n.deps:
-            deps = [d for d in n.deps if d != node]
-            dag.replace(n.id, deps=deps + [d for d in before if d not in deps])
+        dag.bypass("old_log_prob")
     return dag
 
 

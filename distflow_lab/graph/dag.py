@@ -65,6 +65,17 @@ class DAG:
         del self._nodes[id]
         return self
 
+    def bypass(self, id: str) -> "DAG":
+        """Remove a node; whatever depended on it depends on its dependencies instead (a pass an
+        option makes unnecessary, e.g. the reference's without a KL term)."""
+        before = self[id].deps
+        self.remove(id)
+        for n in list(self):
+            if id in n.deps:
+                deps = [d for d in n.deps if d != id]
+                self.replace(n.id, deps=deps + [d for d in before if d not in deps])
+        return self
+
     def copy(self, name: str | None = None) -> "DAG":
         return DAG(name or self.name, [n.model_copy(deep=True) for n in self._nodes.values()], self.groups)
 

@@ -110,7 +110,7 @@ def run(preset: str = "smollm2-arith", cells: tuple[str, ...] = DEFAULT_CELLS, s
             if isinstance(cfg, ConfigError):
                 records.append({"cell": c.name, "status": "refused", "error": str(cfg)})
                 continue
-            if key != c.overrides(workers):
+            if session is None or key != c.overrides(workers):  # a new config: a new session
                 if session is not None:
                     session.close()
                 t0 = time.perf_counter()
@@ -120,11 +120,11 @@ def run(preset: str = "smollm2-arith", cells: tuple[str, ...] = DEFAULT_CELLS, s
             session.reopen(schedule=kind, **opts)
             try:
                 records.append({"cell": c.name, "status": "ran", "open_s": opened,
-                                **measure(session, steps + (c.schedule.startswith("async") or 0))})
+                                **measure(session, steps + int(c.schedule.startswith("async")))})
             except Exception as e:  # noqa: BLE001 - a cell that fails is reported, the others still run
                 records.append({"cell": c.name, "status": "failed", "error": f"{type(e).__name__}: {e}"})
                 session.close()
-                session, key = None, None
+                session = None
             opened = 0.0
     finally:
         if session is not None:
@@ -142,7 +142,7 @@ def run(preset: str = "smollm2-arith", cells: tuple[str, ...] = DEFAULT_CELLS, s
 def measure(s, steps: int) -> dict:
     """The session's next `steps` steps: medians after the first (warm-up: the engine's first
     allocations, a pulled first version), peak RSS of each worker process so far."""
-    m = s.run(steps, progress=False).iloc[-steps:]
+    m = s.run(steps, progress=False)
     timed = m.iloc[1:] if len(m) > 1 else m
     a = s.config.algo
     generated = timed["response_length/mean"] * a.data.prompts_per_step * a.rollout.n
