@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import warnings
 from pathlib import Path
 
 import ray
 import torch
+
+from distflow_lab.experiments.bench.common import summarize
 
 
 @ray.remote
@@ -41,10 +42,6 @@ class Reader:
                 self.p[off:off + v.numel()].copy_(v)
                 off += v.numel()
         return t1 - t0, time.perf_counter() - t1
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def main() -> None:
@@ -77,9 +74,9 @@ def main() -> None:
             tt = time.perf_counter() - t
             w.append(nbytes / tw / 1e9), g.append(tg), ld.append(nbytes / tl / 1e9), tot.append(nbytes / tt / 1e9)
             del refs
-        rows.append({"bucket_mib": bucket_mib, "write_gbps": spread(w), "get_s": spread(g), "load_gbps": spread(ld),
-                     "total_gbps": spread(tot)})
-    out = {"mib": args.mib, "repeats": args.repeats, "memcpy_gbps": spread(memcpy), "rows": rows}
+        rows.append({"bucket_mib": bucket_mib, "write_gbps": summarize(w), "get_s": summarize(g), "load_gbps": summarize(ld),
+                     "total_gbps": summarize(tot)})
+    out = {"mib": args.mib, "repeats": args.repeats, "memcpy_gbps": summarize(memcpy), "rows": rows}
     m = out["memcpy_gbps"]["median"]
     print(f"memcpy {m:.2f} GB/s (min {min(memcpy):.2f}, max {max(memcpy):.2f}); {args.mib} MiB float32")
     print(f"{'bucket':>8} {'write GB/s':>18} {'get ms':>8} {'load GB/s':>18} {'total GB/s':>18} {'x memcpy':>9}")
