@@ -43,6 +43,8 @@ _EXPORTS = {
     "schedule_replay_accuracy": "distflow_lab.experiments.schedule_replay",
     "soak": "distflow_lab.experiments.soak", "SoakReport": "distflow_lab.experiments.soak",
     "WeightBoardLost": "distflow_lab.core.errors",
+    "WeightSyncMismatch": "distflow_lab.core.errors",
+    "WeightSyncTimeout": "distflow_lab.core.errors",
     "worker_pool": "distflow_lab.runtime.worker_pool",
 }
 

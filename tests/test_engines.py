@@ -19,6 +19,7 @@ from distflow_lab.algos.losses import aggregate_loss
 from distflow_lab.models.critic import build_critic_from
 from distflow_lab.core.config import Optim as OptimConfig
 from distflow_lab.core.config import RolloutOptions
+from distflow_lab.core.errors import WeightSyncMismatch
 from distflow_lab.models.fsdp import TrainEngine, micro_batches, padding_tokens, sft_loss_fn
 from distflow_lab.models.model_dir import build_tiny_qwen2, save_model_dir
 from distflow_lab.models.sequences import assemble_columns, build_sft_batch, decode_responses, tokenize_prompts
@@ -298,8 +299,11 @@ def test_weight_sync_into_rollout_and_sft(tok, model):
     rollout = HFRollout(copy.deepcopy(model), tok, RolloutOptions(n=1, max_response_len=R), P)
     rollout.load_weights(policy.full_state_dict())
     assert max_diff(rollout.model.state_dict(), policy.model.state_dict()) == 0.0
-    with pytest.raises(KeyError):
+    with pytest.raises(WeightSyncMismatch, match="'not.a.weight' is not a weight of the rollout model"):
         rollout.load_weights({"not.a.weight": torch.zeros(1)})
+    half = dict(list(policy.full_state_dict().items())[:3])
+    with pytest.raises(WeightSyncMismatch, match=r"the sync covered 3 of the model's \d+ tensors"):
+        rollout.load_weights(half)  # a partial load is never silent
 
 
 # ---------------------------------------------------------------- critic, factory

@@ -1,7 +1,7 @@
 """The chaos soak in the suite: 40 steps per data plane (sync) and per async-capable plane
 (async), each with real faults drawn from a seeded plan (a worker or the process holding the
 rollout engine exits, a DataBuffer, the coordinator or the WeightBoard is killed, a worker dies
-halfway through a checkpoint), recovered without help, and the books checked: nothing lost,
+halfway through a checkpoint, a weight sync's publisher damages a bucket or dies after writing one), recovered without help, and the books checked: nothing lost,
 nothing trained twice, no raw exception, no hang, every fault detected; sync equals the
 undisturbed run with the same seed, async keeps its staleness bound. Also: async resume
 reproduces an undisturbed one-step-off run, and a checkpoint write killed halfway never loads."""
@@ -23,8 +23,8 @@ from distflow_lab.runtime.checkpoint_files import latest_checkpoint, verify_chec
 # (centralized-sync, seed 3: engine, worker, checkpoint, a subset of distributed-sync's kinds, cut for the
 # 30-minute budget; a coordinator killed under sync: tests/test_reliability.py)
 CELLS = [("distributed", "sync", 0, False),   # engine, worker, checkpoint, buffer
-         ("coordinator", "async", 1, False),  # board, coordinator, engine
-         ("distributed", "async", 7, True)]   # board, buffer, worker; partial rollouts
+         ("coordinator", "async", 36, False),  # board, coordinator, a damaged weight bucket, a publisher killed mid-sync
+         ("distributed", "async", 36, True)]   # board, buffer, the same two weight-sync faults; partial rollouts
 
 
 @pytest.mark.full
@@ -43,7 +43,7 @@ def test_ci_soak(ray_cluster, mode, schedule, seed, partial):
         assert r.metrics_equal, r.metric_diffs
     else:
         assert r.staleness_ok and r.staleness_max <= 2
-        assert "board" in s["by_kind"]
+        assert {"board", "sync_corrupt", "sync_publisher"} <= set(s["by_kind"])
     assert r.ok
 
 

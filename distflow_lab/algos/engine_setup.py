@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -28,6 +28,7 @@ from distflow_lab.models.model_dir import load_model_dir
 from distflow_lab.models.rollout import RolloutEngine, make_rollout
 from distflow_lab.runtime.context import StageContext
 from distflow_lab.runtime.engines import Checkpointable
+from distflow_lab.runtime.weight_transport import Bucket, Manifest, check_loaded
 from distflow_lab.runtime.weights import PolicyWeights, state_checksum
 
 TRAIN_ROLES = {"actor", "reference", "critic"}
@@ -148,8 +149,8 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
 
 
 class ActorWeights:
-    """The training side of the weight sync (`PolicyWeights`): the actor's full state (an FSDP
-    gather) at the policy's version."""
+    """The training side of the weight sync (`PolicyWeights`): the actor's full tensors (an FSDP
+    gather, one tensor at a time) at the policy's version."""
 
     def __init__(self, actor: TrainEngine, policy: Policy) -> None:
         self.actor, self.policy = actor, policy
@@ -158,10 +159,13 @@ class ActorWeights:
     def version(self) -> int:
         return self.policy.version
 
-    def export_state(self) -> dict[str, torch.Tensor]:
-        return self.actor.full_state_dict()
+    def export_buckets(self, bucket_bytes: int) -> Iterator[Bucket]:
+        return self.actor.weight_buckets(bucket_bytes, device="cpu")
 
-    def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def aliases(self) -> dict[str, str]:
+        return self.actor.tied_aliases()
+
+    def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
         raise RuntimeError("the training group publishes weights; it never imports them")
 
     def checksum(self) -> float:
@@ -171,7 +175,7 @@ class ActorWeights:
 
 class RolloutWeights:
     """The generation side (`PolicyWeights`): a published policy goes into the rollout engine
-    and becomes this worker's version."""
+    (each checked view copied once, into the engine's own weights) and becomes this worker's version."""
 
     def __init__(self, rollout: RolloutEngine, policy: Policy, model: torch.nn.Module | None) -> None:
         self.rollout, self.policy = rollout, policy
@@ -181,12 +185,17 @@ class RolloutWeights:
     def version(self) -> int:
         return self.policy.version
 
-    def export_state(self) -> None:
-        return None
+    def export_buckets(self, bucket_bytes: int) -> Iterator[Bucket]:
+        return iter(())
 
-    def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self.rollout.load_weights(state)
-        self.policy.version, self._sum = version, state_checksum(state)
+    def aliases(self) -> dict[str, str]:
+        return {}
+
+    def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
+        loaded: set[str] = set()
+        self.rollout.load_weights(([(name, t)] for name, t in tensors if not loaded.add(name)))
+        check_loaded(manifest, loaded)
+        self.policy.version, self._sum = manifest.version, manifest.checksum
 
     def checksum(self) -> float:
         return self._sum
@@ -214,11 +223,10 @@ def sync_weights(ctx: StageContext) -> None:
         return
     stats = {"bytes": 0, "tensors": 0}
     with ctx.span("weight_sync") as span:
-        if e.rollout.streams_weights:  # vLLM: bounded buckets, on the GPU, no host copy
-            e.rollout.load_weights(e.actor.weight_buckets(e.rollout.bucket_bytes, dtype=e.rollout.weight_dtype,
-                                                          stats=stats))
-        else:  # HF: its own module copy takes a full (CPU) state dict
-            e.rollout.load_weights(e.actor.full_state_dict(stats=stats))
+        # bounded buckets straight from the actor's tensors into the engine's: the load is the only copy
+        # (vLLM casts to its dtype on the way; HF's copy_ converts)
+        e.rollout.load_weights(e.actor.weight_buckets(e.rollout.bucket_bytes, dtype=e.rollout.weight_dtype,
+                                                      stats=stats))
         if span is not None:
             span.bytes, span.items = stats["bytes"], stats["tensors"]
     e.policy.stale = False

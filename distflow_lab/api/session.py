@@ -228,6 +228,18 @@ class Session:
         """The raw Batch of `stage`'s latest output on `worker` (its first `n` rows; all by default)."""
         return self.controller.peek(stage, worker, n=10**12 if n is None else n)
 
+    def weight_sync(self) -> pd.DataFrame:
+        """Every weight sync so far, one row per worker and sync: side (publish / pull on worker
+        groups, colocated), version, bytes, tensors, buckets, seconds and its parts (gather, write,
+        read, load, verify; colocated syncs: the total only), GB/s, and `x_memcpy`: GB/s against
+        this machine's memcpy, measured once in this process (`weight_transport.memcpy_gbps`)."""
+        from distflow_lab.runtime.weight_transport import memcpy_gbps
+
+        df = self.controller.weight_syncs()
+        if len(df):
+            df["x_memcpy"] = df["gbps"] / memcpy_gbps()
+        return df
+
     # ---- pictures --------------------------------------------------------------------------
     def timeline(self, steps: list[int] | None = None, last: int = 2):
         from distflow_lab.observe.timeline import last_steps, timeline

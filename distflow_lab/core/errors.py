@@ -82,6 +82,18 @@ class WeightBoardLost(StageError):
     the worker that published it. The run needs resume() (a checkpoint restores the board)."""
 
 
+class WeightSyncMismatch(StageError):
+    """A weight sync delivered something other than what was published: a tensor whose
+    fingerprint differs (damaged, zeroed, another version), or one that never reached the
+    engine. Names the policy version and the tensor. The rollout keeps no mix of old and new
+    weights silently: the step fails, and resume() reloads a whole policy."""
+
+
+class WeightSyncTimeout(StageError):
+    """A weight sync did not finish within its deadline (`weight_sync.timeout_s`), or the
+    policy it was reading was lost with the worker that published it. Never a silent hang."""
+
+
 class PolicyNotPublished(StageError):
     """On worker groups: a training segment ended without leaving the policy at the next
     version (update t must leave version t + 1): the actor-update stage must advance it,

@@ -50,7 +50,7 @@ from distflow_lab.core.errors import FriendlyError
 from distflow_lab.runtime import faults as chaos
 from distflow_lab.runtime.checkpoint_files import latest_checkpoint
 
-KINDS = ("worker", "engine", "buffer", "coordinator", "board", "checkpoint")
+KINDS = ("worker", "engine", "buffer", "coordinator", "board", "checkpoint", "sync_corrupt", "sync_publisher")
 ENGINES = ("synthetic", "hf", "vllm")
 SCHEDULES = ("sync", "one_step_off", "async")
 # metrics that follow the clock, not the data: left out of the comparison with the undisturbed run
@@ -205,7 +205,7 @@ def kinds_for(mode: str, schedule: str) -> list[str]:
     if mode == "coordinator":
         out.append("coordinator")
     if schedule != "sync":
-        out.append("board")
+        out += ["board", "sync_corrupt", "sync_publisher"]
     return out
 
 
@@ -219,7 +219,9 @@ def plan_faults(controller: Any, steps: int, fault_every: float, seed: int, chec
     work = [st for st in plan.stages if st.type != "data_load"]
     through_plane = [st for st in work if (e := plan.edge_into(st.index)) is not None and e.kind != "local"]
     targets = {"worker": work, "engine": [st for st in work if st.type == "generate"], "buffer": through_plane,
-               "coordinator": through_plane, "board": [st for st in work if st.type == "train"], "checkpoint": [None]}
+               "coordinator": through_plane, "board": [st for st in work if st.type == "train"], "checkpoint": [None],
+               # the publisher: the first rank of the training segment's last stage, which publishes after it
+               "sync_corrupt": work[-1:], "sync_publisher": work[-1:]}
     # a kind with no stage to strike at (e.g. a plane whose edges are all local caches) is left out
     kinds = [k for k in kinds_for(controller.mode, controller.config.schedule.kind) if targets[k]]
     out = []
@@ -237,7 +239,8 @@ def plan_faults(controller: Any, steps: int, fault_every: float, seed: int, chec
             continue
         st = pick(targets[kind])
         actor = int(rng.integers(len(controller.plane.actors()))) if kind in ("buffer", "coordinator") else 0
-        out.append(Fault(step, kind, int(pick(list(st.ranks))), st.id, actor))
+        worker = st.ranks[0] if kind.startswith("sync_") else int(pick(list(st.ranks)))
+        out.append(Fault(step, kind, int(worker), st.id, actor))
     for i, f in enumerate(out):
         f.mark = str(workdir / f"fault-{i:04d}.fired")
     return out

@@ -443,6 +443,13 @@ class TrainEngine:
             yield bucket
 
     @torch.no_grad()
+    def tied_aliases(self) -> dict[str, str]:
+        """Names that share a parameter with an earlier one (a tied lm_head -> embed_tokens): a
+        weight sync sends the earlier name once and lists these as aliases."""
+        first: dict[int, str] = {}
+        return {name: first[id(t)] for name, t in self.model.named_parameters(remove_duplicate=False)
+                if first.setdefault(id(t), name) != name}
+
     def full_state_dict(self, stats: dict[str, int] | None = None) -> dict[str, Tensor]:
         """Full parameters/buffers (HF names) as CPU copies on EVERY rank, gathered one tensor at a
         time (tied weights share one tensor); collective under FSDP. The input of

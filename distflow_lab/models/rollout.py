@@ -16,9 +16,8 @@ class RolloutEngine(Protocol):
 
     sleeps: bool  # frees its memory while the trainers compute (`sleep` is then hung on them)
     needs_weights: bool  # it discarded its weights (vLLM's level-2 sleep): the next sync must refill them
-    streams_weights: bool  # takes weights as bounded buckets (`TrainEngine.weight_buckets`), not a state dict
-    bucket_bytes: int  # with streams_weights: the largest bucket
-    weight_dtype: torch.dtype  # with streams_weights: the dtype buckets are cast to
+    bucket_bytes: int  # a weight sync's largest bucket (`load_weights` takes buckets, `TrainEngine.weight_buckets`)
+    weight_dtype: torch.dtype  # the dtype buckets are cast to before they are sent (None: the engine converts)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seed: int) -> dict[str, torch.Tensor]: ...
 

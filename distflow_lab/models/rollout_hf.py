@@ -6,12 +6,13 @@ training and rollout, so the log-probs a trainer recomputes with
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from distflow_lab.core.config import RolloutOptions
+from distflow_lab.core.errors import WeightSyncMismatch
 from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
 
 
@@ -23,7 +24,9 @@ class HFRollout:
     push `TrainEngine.full_state_dict()` through `load_weights` after each step.
     """
 
-    sleeps = needs_weights = streams_weights = False  # `rollout.RolloutEngine`: it keeps its weights in memory
+    sleeps = needs_weights = False  # `rollout.RolloutEngine`: it keeps its weights in memory
+    bucket_bytes = 256 << 20  # a colocated sync holds this much of the gathered actor at once
+    weight_dtype = None  # copy_ converts
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,
                  max_prompt_len: int):
@@ -99,19 +102,38 @@ class HFRollout:
         """The module is the caller's (it may be the trainer's own)."""
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy `state_dict` into the rollout model's parameters in place.
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[list[tuple[str, torch.Tensor]]]) -> set[str]:
+        """Copy HF-named weights into the rollout model's parameters in place: a state dict, or
+        buckets of (name, tensor) pairs consumed one at a time (`TrainEngine.weight_buckets`, or a
+        weight sync's received views), so the only copy is the one into the parameter. Returns the
+        names loaded.
 
-        Strict: every name must match (missing or unexpected keys raise), shapes must
-        match; dtype/device are converted. Not needed when the rollout shares the
-        trainer's module object (colocated): it already holds the new weights.
+        Strict: an unknown name or shape is refused before it is copied; every name must arrive
+        (a tied name sharing a parameter already written is not copied twice). A partial load is
+        WeightSyncMismatch naming the missing tensors. dtype is converted. Not needed when the
+        rollout shares the trainer's module object (colocated): it already holds the new weights.
         """
         own = self.model.state_dict()
-        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-        if missing or unexpected:
-            raise KeyError(f"state_dict mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
-        for name, t in own.items():
-            src = state_dict[name]
-            if src.shape != t.shape:
-                raise ValueError(f"{name}: shape {tuple(src.shape)} != {tuple(t.shape)}")
-            t.copy_(src)
+        buckets = [list(weights.items())] if isinstance(weights, Mapping) else weights
+        seen: set[str] = set()
+        written: set[int] = set()  # storages already copied into (tied weights share one)
+        for bucket in buckets:
+            for name, src in bucket:
+                t = own.get(name)
+                if t is None:
+                    raise _mismatch(f"{name!r} is not a weight of the rollout model")
+                if src.shape != t.shape:
+                    raise _mismatch(f"{name!r}: shape {tuple(src.shape)} != the rollout's {tuple(t.shape)}")
+                seen.add(name)
+                if t.data_ptr() not in written:
+                    t.copy_(src)
+                    written.add(t.data_ptr())
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise _mismatch(f"the sync covered {len(seen)} of the model's {len(own)} tensors; missing "
+                            f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        return seen
+
+
+def _mismatch(why: str) -> WeightSyncMismatch:
+    return WeightSyncMismatch(f"HF rollout weight load: {why}", step=-1, stage="weight_sync", worker=None)

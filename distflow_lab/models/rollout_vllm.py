@@ -84,7 +84,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from distflow_lab.core.config import RolloutOptions
-from distflow_lab.core.errors import ConfigError
+from distflow_lab.core.errors import ConfigError, StageError, WeightSyncMismatch
 from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
 
 SUPPORTED = ((0, 32, 0), (0, 33, 0))  # [low, high): the version pinned in pyproject.toml (in-place reload_weights)
@@ -201,6 +201,13 @@ def checkpoint_names(model_path: str) -> set[str]:
     return names
 
 
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    """An exception and its causes (an error raised inside vLLM's call may come back wrapped)."""
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def recorded(buckets: Iterable[Bucket], seen: list[str]) -> Iterator[tuple[str, Tensor]]:
     """The (name, tensor) pairs of `buckets`, one at a time, each name noted in `seen`."""
     for bucket in buckets:
@@ -302,7 +309,6 @@ class VLLMRollout:
     override `engine_kwargs(...)` for `vllm.LLM`.
     """
 
-    streams_weights = True  # sync_weights streams buckets here instead of building a full state dict
 
     def __init__(self, model_path: str, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions, max_prompt_len: int,
                  dtype: str = "bfloat16", seed: int = 0, sleep_at_start: bool = True, **llm_kwargs: Any):
@@ -392,13 +398,22 @@ class VLLMRollout:
         buckets = [list(weights.items())] if isinstance(weights, Mapping) else weights
         self._wake("weights")
         seen: list[str] = []
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": recorded(buckets, seen)})
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": recorded(buckets, seen)})
+        except Exception as e:  # a sync that failed part-way (a damaged tensor, a lost bucket): never a silent mix
+            self.needs_weights = True
+            cause = next((c for c in _chain(e) if isinstance(c, StageError)), None)
+            if cause is not None:
+                raise cause from None
+            raise
         missing = sorted((self.expected_names or set()) - set(seen))
         if missing:
             self.needs_weights = True
-            raise RuntimeError(f"weight sync covered {len(set(seen))} of the checkpoint's {len(self.expected_names)} "
-                               f"tensors; missing {missing[:5]}{' ...' if len(missing) > 5 else ''}: the engine "
-                               "holds a mix of old and new weights and refuses to generate until a full sync")
+            raise WeightSyncMismatch(f"weight sync covered {len(set(seen))} of the checkpoint's "
+                                     f"{len(self.expected_names)} tensors; missing {missing[:5]}"
+                                     f"{' ...' if len(missing) > 5 else ''}: the engine holds a mix of old and new "
+                                     "weights and refuses to generate until a full sync", step=-1, stage="weight_sync",
+                                     worker=None)
         if self.llm.reset_prefix_cache(reset_running_requests=True) is False:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight sync")
         self.needs_weights = False

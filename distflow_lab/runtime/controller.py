@@ -141,7 +141,7 @@ class Controller:
             profile = ProfileSpec(p.stages, p.steps, p.directory) if p is not None else None  # absolute here
             setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.session_id, self.config.algo,
                                 self.engines, self.config.keep_outputs, threads, profile=profile, board=self.board,
-                                schedule=self.config.schedule)
+                                schedule=self.config.schedule, weight_sync=self.config.weight_sync)
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
             self.plane.ready()
@@ -510,6 +510,23 @@ class Controller:
     @property
     def metrics(self) -> pd.DataFrame:
         return pd.DataFrame(self.metric_rows)
+
+    def weight_syncs(self) -> pd.DataFrame:
+        """One row per weight sync: worker groups' SyncReports (side publish / pull, with the parts
+        gather, write, read, load, verify) and colocated syncs' weight_sync spans (side colocated,
+        total seconds only)."""
+        rows = []
+        for rep in [*self.history, *([StepReport(self.step_index, self.mode, self._current, 0.0)]
+                                     if self._current else [])]:
+            for st in rep.stages:
+                for r in st.results:
+                    rows += [{"step": r.step, "stage": r.stage_id, "worker": r.worker, **row} for row in r.weight_syncs]
+                    if not r.weight_syncs:
+                        rows += [{"step": r.step, "stage": r.stage_id, "worker": r.worker, "side": "colocated",
+                                  "bytes": sp.bytes, "tensors": sp.items, "seconds": sp.seconds,
+                                  "gbps": sp.bytes / sp.seconds / 1e9 if sp.seconds > 0 else float("nan")}
+                                 for sp in r.spans if sp.phase == "weight_sync" and sp.bytes]
+        return pd.DataFrame(rows)
 
     def items(self) -> pd.DataFrame:
         """One row per (step, stage, item) the driver kept: the item's id, token length,

@@ -6,6 +6,8 @@ chosen step and stage, from a test or a notebook.
     faults.inject(session, "buffer", 0, step=2, stage="old_log_prob")  # buffer 0 killed (Ray restarts it)
     faults.inject(session, "board", 1, step=4, stage="actor_update")      # worker 1 kills the WeightBoard
     faults.inject(session, "checkpoint", 0, step=5)                     # worker 0 dies halfway through a save
+    faults.inject(session, "sync_corrupt", 1, step=2, stage="actor_update")    # publisher 1 damages a bucket
+    faults.inject(session, "sync_publisher", 1, step=2, stage="actor_update")  # publisher 1 dies mid-sync
     faults.kill_worker(session, 2)                                      # right now
 
 The worker process really dies (os._exit), and the buffer actor is really
@@ -34,18 +36,22 @@ def inject(session: Any, target: str, index: int, step: int, stage: str = "save_
     the coordinator (target="coordinator", index 0), killed by worker `by_worker`
     (default 0) as the stage starts; target="board": worker `index` kills the WeightBoard
     as the stage starts; target="checkpoint": worker `index` exits halfway through writing
-    its part of the checkpoint saved after `step` updates. `skip=n` lets the first n
+    its part of the checkpoint saved after `step` updates; on worker groups, target="sync_corrupt":
+    worker `index` (the training group's first) damages the first bucket of the policy it publishes
+    after stage `stage` (the training segment's last), and target="sync_publisher": it dies after
+    writing its first bucket. `skip=n` lets the first n
     occurrences pass (e.g. strike again when the step is retried). `mark`: a file the
     fault writes its wall-clock time to as it strikes."""
     c = _controller(session)
     if target != "checkpoint":
         c.plan.stage(stage)
-    if target in ("worker", "checkpoint", "board"):
+    if target in ("worker", "checkpoint", "board", "sync_corrupt", "sync_publisher"):
         if not 0 <= index < len(c.workers):
             raise ValueError(f"no worker {index}; the session has {len(c.workers)}")
-        if target == "board" and c.board is None:
-            raise ValueError("a WeightBoard exists only on worker groups; this session is colocated")
-        action = {"worker": "exit", "checkpoint": "exit", "board": "kill_board"}[target]
+        if target in ("board", "sync_corrupt", "sync_publisher") and c.board is None:
+            raise ValueError(f"a {target} fault needs worker groups (a WeightBoard); this session is colocated")
+        action = {"worker": "exit", "checkpoint": "exit", "board": "kill_board", "sync_corrupt": "corrupt_weights",
+                  "sync_publisher": "exit_mid_sync"}[target]
         fault = {"step": step, "stage": "save_checkpoint" if target == "checkpoint" else stage, "action": action,
                  "skip": skip}
         w = index
@@ -58,7 +64,8 @@ def inject(session: Any, target: str, index: int, step: int, stage: str = "save_
         fault = {"step": step, "stage": stage, "action": "kill_actor", "actor": index, "skip": skip}
         w = 0 if by_worker is None else by_worker
     else:
-        raise ValueError(f"target must be 'worker', 'buffer', 'coordinator', 'board' or 'checkpoint', got {target!r}")
+        raise ValueError(f"target must be 'worker', 'buffer', 'coordinator', 'board', 'checkpoint', 'sync_corrupt' or "
+                         f"'sync_publisher', got {target!r}")
     if mark is not None:
         fault["mark"] = str(mark)
     ray.get(c.workers[w].add_faults.remote([fault]), timeout=30)

@@ -48,6 +48,7 @@ class StageResult:
     item_tokens: np.ndarray | None = None  # and its token length: per-item metadata for lineage and replay
     item_versions: np.ndarray | None = None  # and the policy version it came from (rows with a `version` column)
     item_turns: np.ndarray | None = None  # and its model turns (multi-turn rows, with a `turns` column)
+    weight_syncs: list[dict] = field(default_factory=list)  # SyncReport rows of syncs this worker did (weight_transport.py)
 
 
 def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:

@@ -1,17 +1,20 @@
 """Weight sync between worker groups: the training group publishes each new policy
 version, the generation group pulls it.
 
-    train workers:  state = engines.weights.export_state()   (collective: FSDP gathers)
-                    tensor-parallel rank 0 of dp rank 0: ray.put(state) -> board.post(version, ref)
+    train workers:  buckets = engines.weights.export_buckets(bucket_bytes)  (collective: FSDP gathers)
+                    tensor-parallel rank 0 of dp rank 0: weight_transport.publish -> a Manifest
+                    (one object-store object per bucket) -> board.post(version, manifest)
     rollout workers: at the start of a generation (and, with partial rollouts, between
-                    decode chunks): board.latest() -> newer? ray.get(ref) -> import_state
+                    decode chunks): board.latest() -> newer? weight_transport.receive(manifest)
+                    -> checked views -> import_tensors (the one copy, into the engine)
 
-The payload goes through the object store once (one put, one read per node); the
-driver and the board hold only the reference. The board keeps the last few versions
+The payload goes through the object store once (one put; a reader maps it without copying);
+the driver and the board hold only the manifest. The board keeps the last few versions
 (`keep`): a checkpoint of an async run writes the versions its batches in flight were
-generated from, and a resumed run replays those batches at exactly those versions. Every sync is a `weight_sync` span
-with its bytes, on both sides. `checksum()` lets a test check that the version a
-sync claims is the version the rollout workers hold.
+generated from, and a resumed run replays those batches at exactly those versions. Every sync
+is a `weight_sync` span with its bytes, on both sides, and a `SyncReport` with its parts
+(gather, write, read, load, verify). `checksum()` lets a test check that the version a sync
+claims is the version the rollout workers hold.
 
 An engine that can take part implements `PolicyWeights` and sits in the worker's
 engines as "weights" (the synthetic workload's `SyntheticWeights`, the built-in
@@ -19,20 +22,26 @@ RL algorithms' actor/rollout pair).
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import ray
 import torch
+
+from distflow_lab.runtime.weight_transport import Bucket, Manifest, check_loaded, fingerprint
 
 
 class PolicyWeights(Protocol):
     version: int
 
-    def export_state(self) -> dict[str, torch.Tensor] | None:
-        """The full policy (collective on the training group; None on ranks that do not publish)."""
+    def export_buckets(self, bucket_bytes: int) -> Iterator[Bucket]:
+        """The full policy in buckets (collective on the training group: every rank iterates)."""
 
-    def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Load a published policy; it becomes `version`."""
+    def aliases(self) -> dict[str, str]:
+        """Names not sent because they share a tensor with another (tied weights): name -> sent name."""
+
+    def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
+        """Load a published policy (checked views, consumed one at a time); it becomes `manifest.version`.
+        A name that does not arrive is WeightSyncMismatch."""
 
     def checksum(self) -> float:
         """A number that changes with the weights (for tests and the timeline)."""
@@ -40,22 +49,22 @@ class PolicyWeights(Protocol):
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class WeightBoard:
-    """The last `keep` published policies: version -> (object refs of its state, checksum, bytes).
+    """The last `keep` published policies: version -> (its Manifest, checksum, bytes).
     Not restarted by Ray: a board that died has lost its refs, so its death is a named error
     (WeightBoardLost) and the run resumes from a checkpoint."""
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = max(1, keep)
-        self.posts: dict[int, tuple[list, float, int]] = {}
+        self.posts: dict[int, tuple[Any, float, int]] = {}
 
-    def post(self, version: int, refs: list, checksum: float, nbytes: int) -> None:
+    def post(self, version: int, manifest: Any, checksum: float, nbytes: int) -> None:
         """A new version; a late post of a version older than the newest never wins."""
         if version > self.version:
-            self.restore(version, refs, checksum, nbytes)
+            self.restore(version, manifest, checksum, nbytes)
 
-    def restore(self, version: int, refs: list, checksum: float, nbytes: int) -> None:
+    def restore(self, version: int, manifest: Any, checksum: float, nbytes: int) -> None:
         """Put back a version (e.g. from a checkpoint), whatever the newest is."""
-        self.posts[version] = (refs, checksum, nbytes)
+        self.posts[version] = (manifest, checksum, nbytes)
         for v in sorted(self.posts)[:-self.keep]:
             del self.posts[v]
 
@@ -63,12 +72,12 @@ class WeightBoard:
     def version(self) -> int:
         return max(self.posts, default=0)
 
-    def latest(self) -> tuple[int, list, float, int]:
+    def latest(self) -> tuple[int, Any, float, int]:
         v = self.version
-        refs, checksum, nbytes = self.posts.get(v, ([], 0.0, 0))
-        return v, refs, checksum, nbytes
+        manifest, checksum, nbytes = self.posts.get(v, (None, 0.0, 0))
+        return v, manifest, checksum, nbytes
 
-    def get(self, version: int) -> tuple[list, float, int] | None:
+    def get(self, version: int) -> tuple[Any, float, int] | None:
         """Version `version` exactly, or None when it is not (or no longer) held."""
         return self.posts.get(version)
 
@@ -76,13 +85,9 @@ class WeightBoard:
         return sorted(self.posts)
 
 
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
 def state_checksum(state: dict[str, torch.Tensor]) -> float:
-    """Sum of the first few tensors (by name): equal on both sides of a sync of the same weights."""
-    return float(sum(state[k].double().sum() for k in sorted(state)[:4]))
+    """The sum of every tensor's fingerprint: what a sync's Manifest.checksum is for the same weights."""
+    return float(sum(fingerprint(t) for t in state.values()))
 
 
 class SyntheticWeights:
@@ -110,16 +115,21 @@ class SyntheticWeights:
         """What a training update does to the policy."""
         self.version, self.tensor = version, self._make(version)
 
-    def export_state(self) -> dict[str, torch.Tensor]:
-        return {"w": self.tensor}
+    def export_buckets(self, bucket_bytes: int) -> Iterator[Bucket]:
+        yield [("w", self.tensor)]
 
-    def import_state(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self.tensor, self.version = state["w"].clone(), version
+    def aliases(self) -> dict[str, str]:
+        return {}
+
+    def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
+        got = {name: t.clone() for name, t in tensors}
+        check_loaded(manifest, set(got))
+        self.tensor, self.version = got["w"], manifest.version
 
     def checksum(self) -> float:
-        return state_checksum(self.export_state())
+        return state_checksum({"w": self.tensor})
 
 
 def expected_checksum(weights: Any, version: int) -> float:
     """The checksum `weights` (a SyntheticWeights) would have at `version`."""
-    return float(weights._make(version).double().sum())
+    return state_checksum({"w": weights._make(version)})

@@ -27,8 +27,8 @@ import torch
 from ray.exceptions import RayError
 
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import ScheduleOptions
-from distflow_lab.core.errors import StageContractError, StageError, WeightBoardLost
+from distflow_lab.core.config import ScheduleOptions, WeightSyncOptions
+from distflow_lab.core.errors import StageContractError, StageError, WeightBoardLost, WeightSyncMismatch, WeightSyncTimeout
 from distflow_lab.core.spans import SpanRecorder
 from distflow_lab.dataplane.interface import WorkerPort, WorkerSpec
 from distflow_lab.dataplane.routing import item_lengths
@@ -40,7 +40,7 @@ from distflow_lab.runtime.engines import StageState, WorkerEngines, check_engine
 from distflow_lab.runtime.profiling import ProfileSpec, profile_stage
 from distflow_lab.runtime.progress import ProgressNote
 from distflow_lab.runtime.results import StageResult
-from distflow_lab.runtime.weights import state_bytes, state_checksum
+from distflow_lab.runtime.weight_transport import SyncReport, publish, publish_state, read_state, receive
 from distflow_lab.runtime.samples import sample_rows
 
 
@@ -60,6 +60,19 @@ class WorkerSetup:
     profile: ProfileSpec | None = None  # torch.profiler traces of chosen stages and steps
     board: Any = None  # the WeightBoard actor when generation and training run on disjoint groups
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)  # visible to stages as ctx.schedule
+    weight_sync: WeightSyncOptions = field(default_factory=WeightSyncOptions)  # worker groups: buckets, deadline
+
+
+def _timed(tensors, report: SyncReport):
+    """`tensors`, the time the consumer spends on each (its copy into the engine) counted as "load"."""
+    it = iter(tensors)
+    while True:
+        item = next(it, None)  # receive() counts its own read and verify
+        if item is None:
+            return
+        t0 = time.perf_counter()
+        yield item
+        report.parts["load"] += time.perf_counter() - t0
 
 
 def with_item_ids(out: Batch, step: int, stage: int, dp_rank: int) -> Batch:
@@ -79,6 +92,7 @@ class DAGWorker:
         except Exception:  # not inside Ray (unit tests)
             self.node = "local"
         self.rec = SpanRecorder(rank, self.node)
+        self.syncs: list[dict] = []  # SyncReport rows since the last stage result (weight_transport.py)
         self.port: WorkerPort | None = None
         self.outputs: dict[str, Batch] = {}
         self.engines: WorkerEngines = StageState(rank=rank)
@@ -244,39 +258,65 @@ class DAGWorker:
         checksum = self._publish(step, self.plan.stages[stages[-1]])
         if results:
             results[-1].spans.extend(self.rec.take())
+            results[-1].weight_syncs.extend(self._take_syncs())
         return {"results": results, "version": w.version, "version_before": before, "checksum": checksum}
 
     def _publish(self, step: int, last: Stage) -> float:
         """Post this training group's policy at its version to the WeightBoard (a `weight_sync` span
-        on `last`, the group's last stage); collective over the group. Returns its checksum."""
-        w = self.engines.weights
+        on `last`, the group's last stage, and a SyncReport); collective over the group: every rank
+        iterates the gathered buckets, one puts them. Returns its checksum."""
+        w, opts = self.engines.weights, self.s.weight_sync
+        puts = last.dp_rank(self.rank) == 0 and last.group_rank(self.rank) == 0
+        report = SyncReport("publish", w.version)
         with self.rec.span(step, last.id, "weight_sync") as sp:
-            state = w.export_state()  # collective over the training group (FSDP gathers)
-            checksum = state_checksum(state) if state is not None else 0.0
-            if state is not None and last.dp_rank(self.rank) == 0 and last.group_rank(self.rank) == 0:
-                sp.bytes = state_bytes(state)
-                self._board(step, last.id, "post", lambda b: b.post.remote(w.version, [ray.put(state)], checksum,
-                                                                           sp.bytes))
-        return checksum
+            corrupt = 0 if puts and self._maybe_fault(step, last.id, "corrupt_weights") else None
+            mid = (lambda b: self._maybe_fault(step, last.id, "exit_mid_sync")) if puts else None
+            manifest = self._sync_errors(step, last.id, lambda: publish(
+                w.export_buckets(opts.bucket_mib << 20), w.version, w.aliases(), put=puts, report=report,
+                corrupt=corrupt, after_put=mid))
+            if puts:
+                sp.bytes, sp.items = manifest.nbytes, len(manifest.entries)
+                self._board(step, last.id, "post", lambda b: b.post.remote(w.version, manifest, manifest.checksum,
+                                                                           manifest.nbytes))
+        if puts:
+            self.syncs.append(report.row())
+        return manifest.checksum
 
     def pull_weights(self, step: int, stage: str, version: int | None = None, strict: bool = False) -> int:
         """Load policy `version` if the board holds it (None, or not held: the newest published,
         if newer than ours); returns our version. `strict`: exactly `version`, or
-        WeightBoardLost. A stage function calls it between decode chunks for partial rollouts."""
+        WeightBoardLost. A stage function calls it between decode chunks for partial rollouts.
+        The sync reads and checks every tensor (WeightSyncMismatch) within weight_sync.timeout_s
+        (WeightSyncTimeout)."""
         w = self.engines.weights
         if w is None or self.s.board is None:
             return 0
         held = None if version is None else self._held(step, stage, version, "its replayed batch must be generated "
                                                                              "from" if strict else None)
         if held is None:
-            version, refs, _, nbytes = self._board(step, stage, "latest", lambda b: b.latest.remote())
-            newer = version > w.version and refs
+            version, manifest, _, nbytes = self._board(step, stage, "latest", lambda b: b.latest.remote())
+            newer = version > w.version and manifest is not None
         else:  # never back to an older one; but a replay loads even our version (a restored rollout's may differ)
-            (refs, _, nbytes), newer = held, version > w.version or strict
+            (manifest, _, nbytes), newer = held, version > w.version or strict
         if newer:
+            report = SyncReport("pull", version)
             with self.rec.span(step, stage, "weight_sync", bytes=nbytes):
-                w.import_state(self._board(step, stage, f"policy v{version}", lambda _: refs[0]), version)
+                tensors = receive(manifest, self.s.weight_sync.timeout_s, report)
+                self._sync_errors(step, stage, lambda: w.import_tensors(_timed(tensors, report), manifest))
+            self.syncs.append(report.row())
         return w.version
+
+    def _sync_errors(self, step: int, stage: str, call: Callable[[], Any]) -> Any:
+        """`call()`, with a weight sync's named errors re-raised naming this stage, worker and step."""
+        try:
+            return call()
+        except (WeightSyncMismatch, WeightSyncTimeout) as e:
+            raise type(e)(f"stage {stage!r} (worker {self.rank}, step {step}): {e.summary}", step=step, stage=stage,
+                          worker=self.rank) from None
+
+    def _take_syncs(self) -> list[dict]:
+        out, self.syncs = self.syncs, []
+        return out
 
     def _held(self, step: int, stage: str, version: int, needed_because: str | None = None) -> tuple | None:
         """(refs, checksum, bytes) of policy `version` as the WeightBoard holds it; None when it does
@@ -292,7 +332,7 @@ class DAGWorker:
         """A call to the WeightBoard (or a read of a policy it points to), bounded; its loss is
         WeightBoardLost naming the stage, worker and step, never a raw Ray error."""
         try:
-            return ray.get(call(self.s.board), timeout=60)
+            return ray.get(call(self.s.board), timeout=self.s.weight_sync.timeout_s)
         except RayError as e:
             raise WeightBoardLost(f"the WeightBoard or the policy it points to is lost ({what}: {type(e).__name__}) "
                                   f"in stage {stage!r} (worker {self.rank}, step {step}); call resume()", step=step,
@@ -323,7 +363,8 @@ class DAGWorker:
                              out["item_id"].numpy().copy() if first and "item_id" in out else None,
                              tokens if first else None,
                              out["version"].numpy().copy() if first and "version" in out else None,
-                             out["turns"].numpy().copy() if first and "turns" in out else None)
+                             out["turns"].numpy().copy() if first and "turns" in out else None,
+                             self._take_syncs())
         self.port.rpcs = 0
         return result, handoff
 
@@ -425,18 +466,22 @@ class DAGWorker:
         return True
 
     def add_faults(self, faults: list[dict]) -> int:
-        """Planned faults: {"step", "stage", "action": "exit" | "kill_actor" | "kill_board", "actor": i,
-        "skip": n, "mark": path}. Real ones: "exit" ends this worker's process mid-stage (stage
-        "save_checkpoint": halfway through writing its part of a checkpoint); "kill_actor" kills
-        data-plane actor i (a DataBuffer, or the coordinator; Ray restarts it); "kill_board" kills
-        the WeightBoard. `mark`: a file the fault writes its wall-clock time to as it strikes
+        """Planned faults: {"step", "stage", "action": "exit" | "kill_actor" | "kill_board" |
+        "exit_mid_sync" | "corrupt_weights", "actor": i, "skip": n, "mark": path}. Real ones: "exit"
+        ends this worker's process mid-stage (stage "save_checkpoint": halfway through writing its
+        part of a checkpoint); "kill_actor" kills data-plane actor i (a DataBuffer, or the
+        coordinator; Ray restarts it); "kill_board" kills the WeightBoard; "exit_mid_sync": the
+        publisher's process ends after its first bucket is written; "corrupt_weights": the publisher
+        damages its first bucket after fingerprinting it (what the readers' check must catch). `mark`: a file the fault writes its wall-clock time to as it strikes
         (detection latency)."""
         self.faults.extend(faults)
         return len(self.faults)
 
-    def _maybe_fault(self, step: int, stage: str, action: str) -> None:
+    def _maybe_fault(self, step: int, stage: str, action: str) -> bool:
+        """Strike a planned fault of this step, stage and action if there is one; True if one struck
+        (an action the caller carries out itself, e.g. "corrupt_weights")."""
         if not self.faults:
-            return
+            return False
         for f in list(self.faults):
             if f["step"] == step and f["stage"] == stage and f["action"] == action:
                 if f.get("skip", 0) > 0:  # e.g. skip=1: strike on the retry, not the first attempt
@@ -445,12 +490,14 @@ class DAGWorker:
                 self.faults.remove(f)
                 if f.get("mark"):
                     Path(f["mark"]).write_text(repr(time.time()))
-                if action == "exit":
+                if action in ("exit", "exit_mid_sync"):
                     os._exit(1)
                 if action == "kill_board":
                     ray.kill(self.s.board)
-                else:
+                elif action == "kill_actor":
                     self.port.kill_actor(f.get("actor", 0))
+                return True
+        return False
 
     # ---- checkpoints -----------------------------------------------------------------
     def save_checkpoint(self, directory: str, step: int = 0, resume_step: int | None = None,
@@ -473,8 +520,9 @@ class DAGWorker:
         if board_versions and self.rank == self.plan.stages[0].ranks[0]:
             (d / "board").mkdir(parents=True, exist_ok=True)
             for v in board_versions:
-                refs, checksum, nbytes = self._held(step, "save_checkpoint", v, "a batch in flight came from")
-                state = self._board(step, "save_checkpoint", f"policy v{v}", lambda _: refs[0])
+                manifest, checksum, nbytes = self._held(step, "save_checkpoint", v, "a batch in flight came from")
+                state = self._sync_errors(step, "save_checkpoint",
+                                          lambda: read_state(manifest, self.s.weight_sync.timeout_s))
                 torch.save({"version": v, "state": state, "checksum": checksum, "nbytes": nbytes},
                            d / "board" / f"v{v:06d}.pt")
             saved.append("board")
@@ -496,9 +544,9 @@ class DAGWorker:
         if self.s.board is not None and (d / "board").is_dir() and self.rank == self.plan.stages[0].ranks[0]:
             for f in sorted((d / "board").glob("v*.pt")):  # the policies the batches in flight are replayed at
                 b = torch.load(f, weights_only=True)
+                m = publish_state(b["state"], b["version"], self.s.weight_sync.bucket_mib << 20)
                 self._board(0, "load_checkpoint", f"restore v{b['version']}",
-                            lambda board: board.restore.remote(b["version"], [ray.put(b["state"])], b["checksum"],
-                                                               b["nbytes"]))
+                            lambda board: board.restore.remote(b["version"], m, m.checksum, m.nbytes))
             loaded.append("board")
         if self.loader is not None:
             f = d / f"loader_dp{self.loader.dp_rank}.json"

@@ -25,15 +25,15 @@ from distflow_lab.core.config.run import (GENERATED_DATA, SESSION_KEYS, ActorOpt
                                           MultiTurnOptions, RolloutOptions, RunConfig, TinySpec, TrainerOptions, VLLMOptions, WarmStart,
                                           run_session)
 from distflow_lab.core.config.session import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, Mode, ProfileOptions,
-                                              ScheduleOptions, SessionConfig, Switches, check_groups, check_schedule,
-                                              check_switches)
+                                              ScheduleOptions, SessionConfig, Switches, WeightSyncOptions, check_groups,
+                                              check_schedule, check_switches)
 from distflow_lab.core.errors import ConfigError
 
 __all__ = [
     "ConfigError", "Strict",
     # session
     "Mode", "MODES", "Balance", "Switches", "SWITCHES_BY_MODE", "check_switches", "ClusterOptions",
-    "ScheduleOptions", "ProfileOptions", "check_schedule", "check_groups", "SessionConfig",
+    "ScheduleOptions", "WeightSyncOptions", "ProfileOptions", "check_schedule", "check_groups", "SessionConfig",
     # nodes
     "DataSpec", "Contract",
     # run

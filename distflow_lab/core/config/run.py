@@ -342,7 +342,7 @@ class TrainerOptions(Strict):
     """torch.profiler traces of chosen stages and steps, under the run's folder (profiles/)."""
 
 
-SESSION_KEYS: tuple[str, ...] = ("mode", "seed", "cluster", "switches", "schedule")
+SESSION_KEYS: tuple[str, ...] = ("mode", "seed", "cluster", "switches", "schedule", "weight_sync")
 """The session's keys a run config takes at its top level (flat), as well as under `session`."""
 
 

@@ -129,6 +129,18 @@ class ScheduleOptions(Strict):
         return {"sync": 0, "one_step_off": 1}.get(self.kind, self.max_staleness)
 
 
+class WeightSyncOptions(Strict):
+    """Weight sync between worker groups (runtime/weight_transport.py): the training group's
+    rank 0 writes the policy into the object store in buckets, each rollout worker reads and
+    checks every tensor. (Colocated syncs use the rollout engine's buckets: rollout.vllm.weight_sync_bucket_mib.)"""
+
+    bucket_mib: int = Field(default=256, ge=1)
+    """Largest bucket (one object-store object) in MiB; a larger single tensor goes alone. Fewer, larger
+    buckets write faster (benchmarks/probes/weight_sync_object_store.py: 256 MiB at 0.50x memcpy, 64 MiB at 0.08x)."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """A sync (or a call to the WeightBoard) that takes longer is WeightSyncTimeout / WeightBoardLost, never a hang."""
+
+
 class ProfileOptions(Strict):
     """torch.profiler traces of chosen stages and steps (one file per rank per stage per step)."""
 
@@ -191,6 +203,8 @@ class SessionConfig(Strict):
     """Data-plane switches (ablations)."""
     schedule: ScheduleOptions = Field(default_factory=ScheduleOptions)
     """sync, one_step_off or async (the last two need a DAG with worker groups)."""
+    weight_sync: WeightSyncOptions = Field(default_factory=WeightSyncOptions)
+    """Worker groups: the weight sync's bucket size and deadline."""
     profile: ProfileOptions | None = None
     """torch.profiler traces of chosen stages and steps (None: no profiling)."""
     keep_outputs: bool = True

@@ -1,0 +1,274 @@
+"""The weight sync's transport between worker groups: a policy version as numpy buckets in
+Ray's object store, described by a `Manifest`, checked tensor by tensor on arrival.
+
+    publisher (training rank 0):  buckets = actor's gathered tensors, at most `bucket_bytes` each
+                                  ray.put([numpy view of each tensor])   -> one object per bucket
+                                  Manifest(version, entries, bucket refs)  -> the WeightBoard
+    reader (each rollout worker): ray.get(bucket ref) -> read-only views mapped from shared memory
+                                  (no copy); each view is checked against its fingerprint, then the
+                                  rollout copies it into its own parameter (the one copy).
+
+Why numpy, not torch tensors: Ray pickles numpy arrays out of band (pickle 5), so a put is one
+copy into shared memory and a get maps it without copying; a dict of torch tensors is pickled
+in band and copied again on the way out (benchmarks/probes/weight_sync_object_store.py: reader
+at 6.9 GB/s against 7.9 GB/s memcpy). bfloat16/float16 travel as int16 bits.
+
+Tied weights (embed_tokens / lm_head) travel once: the manifest lists the other names as
+aliases. Each entry carries a fingerprint (a strided sample of the tensor dotted with a ramp,
+in float64): a tensor that is missing, zeroed, shifted, truncated or from another version shows;
+a single flipped bit between samples does not (that is the object store's own integrity).
+
+`SyncReport` is one sync as a researcher reads it: the parts (gather, write, read, load,
+verify), bytes, GB/s. The worker records one per sync, on both sides.
+"""
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayError
+
+from distflow_lab.core.errors import WeightSyncMismatch, WeightSyncTimeout
+
+Bucket = list[tuple[str, torch.Tensor]]
+FINGERPRINT_SAMPLES = 4096
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  # numpy has no bfloat16: send the bits
+
+
+def fingerprint(t: torch.Tensor) -> float:
+    """A number that changes when a tensor's content, shape or dtype changes: up to 4096
+    strided elements dotted with 1..n (float64), plus the element count. Costs a sample, not a pass."""
+    flat = t.detach().reshape(-1)
+    step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+    sample = flat[::step][:FINGERPRINT_SAMPLES].to(torch.float64)
+    ramp = torch.arange(1, sample.numel() + 1, dtype=torch.float64)
+    return float(sample @ ramp) + flat.numel()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    bucket: int  # which object
+    index: int  # which array in it
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, e.g. "float32"
+    fingerprint: float
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One published policy version: what a reader needs, and nothing it must trust blindly."""
+
+    version: int
+    entries: tuple[TensorEntry, ...]
+    buckets: tuple[Any, ...]  # ObjectRefs, one per bucket (empty on ranks that only took part in the gather)
+    aliases: dict[str, str] = field(default_factory=dict)  # a tied name -> the entry it shares
+    nbytes: int = 0  # bytes sent (each tensor once)
+    mode: str = "full"
+
+    @property
+    def checksum(self) -> float:
+        """Equal on both sides of a sync of the same weights (the sum of the fingerprints)."""
+        return float(sum(e.fingerprint for e in self.entries))
+
+    @property
+    def names(self) -> set[str]:
+        return {e.name for e in self.entries} | set(self.aliases)
+
+
+@dataclass
+class SyncReport:
+    """One weight sync on one worker: seconds per part and the bytes moved."""
+
+    side: str  # "publish" or "pull" (groups), "colocated"
+    version: int
+    mode: str = "full"
+    nbytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    parts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[name] += time.perf_counter() - t0
+
+    def row(self) -> dict[str, Any]:
+        seconds = sum(self.parts.values())
+        return {"side": self.side, "version": self.version, "mode": self.mode, "bytes": self.nbytes,
+                "tensors": self.tensors, "buckets": self.buckets, "seconds": seconds,
+                **{f"{p}_s": self.parts.get(p, 0.0) for p in ("gather", "write", "read", "load", "verify")},
+                "gbps": self.nbytes / seconds / 1e9 if seconds > 0 else float("nan")}
+
+
+@functools.lru_cache(maxsize=1)
+def memcpy_gbps(mib: int = 256, repeats: int = 5) -> float:
+    """This machine's memcpy (torch copy_ between two warm buffers), median GB/s: the physical
+    limit a sync is compared with, measured once per process."""
+    src, dst = torch.ones(mib << 18), torch.empty(mib << 18)
+    dst.copy_(src)  # touch both
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return (mib << 20) / sorted(times)[len(times) // 2] / 1e9
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(_BITS[t.dtype]).numpy() if t.dtype in _BITS else t.numpy()
+
+
+def _as_tensor(a: np.ndarray, entry: TensorEntry) -> torch.Tensor:
+    dtype = getattr(torch, entry.dtype)
+    with warnings.catch_warnings():  # mapped from the object store, read-only: we only read it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(a)
+    return (t.view(dtype) if dtype in _BITS else t).reshape(entry.shape)
+
+
+def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | None = None, put: bool = True,
+            report: SyncReport | None = None, corrupt: int | None = None,
+            after_put: Callable[[int], Any] | None = None) -> Manifest:
+    """Send `buckets` (every rank of an FSDP group iterates them: the gather is collective; only
+    the rank with `put` writes). `aliases`: tied names not sent (name -> the name that is).
+    Fault injection only: `corrupt=i` damages bucket i's first tensor after fingerprinting it;
+    `after_put(i)` runs after bucket i is written."""
+    aliases = dict(aliases or {})
+    report = report or SyncReport("publish", version)
+    entries: list[TensorEntry] = []
+    refs: list[Any] = []
+    nbytes = 0
+    it = iter(buckets)
+    while True:
+        with report.part("gather"):
+            bucket = next(it, None)
+        if bucket is None:
+            break
+        arrays = []
+        with report.part("verify"):
+            for name, t in bucket:
+                if name in aliases:
+                    continue
+                entries.append(TensorEntry(name, len(refs), len(arrays), tuple(t.shape),
+                                           str(t.dtype).removeprefix("torch."), fingerprint(t)))
+                arrays.append(_as_numpy(t))
+                nbytes += t.numel() * t.element_size()
+        if put and arrays:
+            if corrupt == len(refs):  # a bit flipped in every byte of its first tensor, after the fingerprint
+                arrays[0] = (arrays[0].view(np.uint8) ^ 0x40).view(arrays[0].dtype)
+            with report.part("write"):
+                refs.append(ray.put(arrays))
+            if after_put is not None:
+                after_put(len(refs) - 1)
+        elif arrays:
+            refs.append(None)
+    report.nbytes, report.tensors, report.buckets = nbytes, len(entries), len(refs)
+    missing = sorted(set(aliases.values()) - {e.name for e in entries})
+    if missing:
+        raise WeightSyncMismatch(f"tied weights {missing} are not among the tensors published", step=-1,
+                                 stage="weight_sync", worker=None)
+    return Manifest(version, tuple(entries), tuple(refs) if put else (), aliases, nbytes)
+
+
+def receive(manifest: Manifest, deadline_s: float, report: SyncReport | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every name of `manifest` (aliases too), each a read-only view of the
+    object store checked against its fingerprint. WeightSyncTimeout past `deadline_s` (from the
+    first bucket on), WeightSyncMismatch for a tensor that is not what was published. The caller
+    copies each view before the next bucket (a view stays valid while this generator lives)."""
+    report = report or SyncReport("pull", manifest.version)
+    by_bucket: dict[int, list[TensorEntry]] = defaultdict(list)
+    for e in manifest.entries:
+        by_bucket[e.bucket].append(e)
+    shared: dict[str, list[str]] = defaultdict(list)
+    for alias, owner in manifest.aliases.items():
+        shared[owner].append(alias)
+    end = time.monotonic() + deadline_s
+    report.nbytes, report.tensors, report.buckets = manifest.nbytes, len(manifest.entries), len(manifest.buckets)
+    for b, ref in enumerate(manifest.buckets):
+        with report.part("read"):
+            arrays = _get(ref, end, manifest.version, b, len(manifest.buckets))
+        for e in by_bucket[b]:
+            with report.part("verify"):
+                if e.index >= len(arrays):
+                    raise _mismatch(manifest.version, e.name, f"bucket {b} holds {len(arrays)} tensors, not {e.index + 1}")
+                try:
+                    t = _as_tensor(arrays[e.index], e)
+                except (RuntimeError, ValueError, TypeError) as err:  # not the shape or dtype published
+                    raise _mismatch(manifest.version, e.name, f"bucket {b} holds no {e.dtype}{list(e.shape)} at "
+                                                              f"{e.index}: {err}") from None
+                got = fingerprint(t)
+            if got != e.fingerprint:
+                raise _mismatch(manifest.version, e.name, f"fingerprint {got!r} != published {e.fingerprint!r} "
+                                                          f"(bucket {b}, {e.dtype}{list(e.shape)})")
+            yield e.name, t
+            for alias in shared[e.name]:
+                yield alias, t
+
+
+def _get(ref: Any, end: float, version: int, b: int, n: int) -> list[np.ndarray]:
+    left = end - time.monotonic()
+    try:
+        if left <= 0:
+            raise GetTimeoutError
+        return ray.get(ref, timeout=left)
+    except GetTimeoutError:
+        raise WeightSyncTimeout(f"policy v{version}: bucket {b + 1} of {n} did not arrive within the weight sync's "
+                                "deadline (weight_sync.timeout_s)", step=-1, stage="weight_sync", worker=None) from None
+    except RayError as e:  # the publisher died with the objects it owned
+        raise WeightSyncTimeout(f"policy v{version}: bucket {b + 1} of {n} is lost ({type(e).__name__}): the worker "
+                                "that published it died; call resume()", step=-1, stage="weight_sync",
+                                worker=None) from None
+
+
+def _mismatch(version: int, name: str, why: str) -> WeightSyncMismatch:
+    return WeightSyncMismatch(f"policy v{version}: tensor {name!r}: {why}", step=-1, stage="weight_sync", worker=None)
+
+
+def check_loaded(manifest: Manifest, loaded: set[str]) -> None:
+    """Every name of the manifest reached the engine (a partial load is never silent)."""
+    missing = sorted(manifest.names - loaded)
+    if missing:
+        raise _mismatch(manifest.version, missing[0], f"not loaded ({len(missing)} of {len(manifest.names)} tensors "
+                                                      f"missing: {missing[:5]})")
+
+
+def read_state(manifest: Manifest, deadline_s: float = 60.0) -> dict[str, torch.Tensor]:
+    """The whole policy as owned tensors (a checkpoint of the board's versions)."""
+    return {name: t.clone() for name, t in receive(manifest, deadline_s)}
+
+
+def publish_state(state: dict[str, torch.Tensor], version: int, bucket_bytes: int = 256 << 20) -> Manifest:
+    """A state dict (a checkpoint's policy) back onto the object store."""
+    return publish(buckets_of(state.items(), bucket_bytes), version)
+
+
+def buckets_of(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """(name, tensor) pairs grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    bucket: Bucket = []
+    size = 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket

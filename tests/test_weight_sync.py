@@ -1,0 +1,122 @@
+"""The weight sync's transport (runtime/weight_transport.py) on real parts: a tiny Qwen2 policy
+crosses Ray's object store as numpy buckets into an HF rollout in another process, tied weights
+travel once, every tensor is checked, and each way a sync can go wrong is a named error: a
+damaged bucket or a missing tensor (WeightSyncMismatch), a bucket that never arrives or whose
+publisher died (WeightSyncTimeout, within the deadline). The vLLM reader: tests/test_vllm.py.
+A whole run on worker groups checks what the rollout holds against what was published
+(tests/test_schedules.py)."""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import ray
+import torch
+
+from distflow_lab.core.config import RolloutOptions, TinySpec
+from distflow_lab.core.errors import WeightSyncMismatch, WeightSyncTimeout
+from distflow_lab.models.fsdp import TrainEngine
+from distflow_lab.models.model_dir import build_tiny_qwen2
+from distflow_lab.models.rollout_hf import HFRollout
+from distflow_lab.models.tokenizer import build_char_tokenizer
+from distflow_lab.runtime.weight_transport import (Manifest, SyncReport, check_loaded, fingerprint, publish,
+                                                   read_state, receive)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(tok, TinySpec(), seed=3)
+    with torch.no_grad():  # a trained policy: every tensor differs from a fresh init's
+        g = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return TrainEngine(model, None, device="cpu", use_fsdp=False), tok
+
+
+def _publish(engine: TrainEngine, version: int = 1, bucket_bytes: int = 1 << 16, **kw) -> Manifest:
+    return publish(engine.weight_buckets(bucket_bytes, device="cpu"), version, engine.tied_aliases(), **kw)
+
+
+@ray.remote(num_cpus=0)
+class Reader:
+    """A rollout worker's half, in its own process: a fresh HF model of the same shape."""
+
+    def __init__(self) -> None:
+        tok = build_char_tokenizer()
+        self.rollout = HFRollout(build_tiny_qwen2(tok, TinySpec(), seed=9), tok, RolloutOptions(n=1), 8)
+
+    def pull(self, manifest: Manifest, deadline_s: float = 30.0) -> dict:
+        report = SyncReport("pull", manifest.version)
+        loaded = self.rollout.load_weights([pair] for pair in receive(manifest, deadline_s, report))
+        check_loaded(manifest, loaded)
+        return {"state": {k: v.clone() for k, v in self.rollout.model.state_dict().items()}, "report": report.row()}
+
+
+@ray.remote(num_cpus=0)
+class Publisher:
+    def publish(self, seed: int) -> Manifest:
+        tok = build_char_tokenizer()
+        engine = TrainEngine(build_tiny_qwen2(tok, TinySpec(), seed=seed), None, device="cpu", use_fsdp=False)
+        return _publish(engine, bucket_bytes=1 << 20)  # objects above Ray's inline size: in shared memory
+
+
+def test_a_policy_crosses_the_object_store_checked_with_tied_weights_sent_once(ray_cluster, policy):
+    engine, _ = policy
+    report = SyncReport("publish", 1)
+    m = _publish(engine, report=report)
+    state = engine.model.state_dict()
+    tied = engine.tied_aliases()
+    assert tied == {"lm_head.weight": "model.embed_tokens.weight"}  # the tiny Qwen2 ties them, like SmolLM2
+    assert m.names == set(state) and set(m.aliases) == set(tied)
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in state.values()}
+    assert m.nbytes == sum(unique.values()) < sum(t.numel() * t.element_size() for t in state.values())
+    assert len(m.buckets) > 1 and report.row()["buckets"] == len(m.buckets)  # bounded buckets, each its own object
+    reader = Reader.remote()
+    got = ray.get(reader.pull.remote(m), timeout=120)
+    assert all(torch.equal(got["state"][k], v) for k, v in state.items())  # bit for bit, every name
+    row = got["report"]
+    assert row["bytes"] == m.nbytes and row["tensors"] == len(m.entries) and row["read_s"] > 0
+    assert m.checksum == pytest.approx(sum(fingerprint(state[e.name]) for e in m.entries))
+    assert set(read_state(m)) == set(state)  # a checkpoint of the board reads the same policy back
+    ray.kill(reader)
+
+
+def test_a_damaged_bucket_or_a_missing_tensor_is_a_named_mismatch(ray_cluster, policy):
+    engine, _ = policy
+    m = _publish(engine, version=4, corrupt=0)  # the publisher damages its first bucket after fingerprinting it
+    first = m.entries[0].name
+    with pytest.raises(WeightSyncMismatch, match=rf"policy v4: tensor '{first}': fingerprint .* != published"):
+        ray.get(Reader.remote().pull.remote(m), timeout=120)
+    whole = _publish(engine, version=5)
+    short = Manifest(5, whole.entries[:-1], whole.buckets, whole.aliases, whole.nbytes)  # one tensor never sent
+    with pytest.raises(WeightSyncMismatch, match=rf"policy v5: tensor '{whole.entries[-1].name}': not loaded"):
+        check_loaded(whole, {name for name, _ in receive(short, 30.0)})
+    rollout = HFRollout(copy.deepcopy(engine.model), build_char_tokenizer(), RolloutOptions(n=1), 8)
+    with pytest.raises(WeightSyncMismatch, match="the sync covered"):  # the HF engine refuses a partial load itself
+        rollout.load_weights([pair] for pair in receive(short, 30.0))
+
+
+def test_a_bucket_that_never_arrives_or_whose_publisher_died_is_a_timeout_within_the_deadline(ray_cluster, policy):
+    engine, _ = policy
+    never = ray.remote(num_cpus=0)(lambda: time.sleep(60)).remote()
+    m = Manifest(2, _publish(engine).entries[:1], (never,), {}, 0)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match=r"policy v2: bucket 1 of 1 did not arrive within"):
+        list(receive(m, deadline_s=1.0))
+    assert time.monotonic() - t0 < 10
+    ray.cancel(never, force=True)
+    pub = Publisher.remote()
+    lost = ray.get(pub.publish.remote(seed=4), timeout=120)
+    ray.kill(pub)  # the owner of the buckets dies: its objects go with it
+    # On one node Ray may still serve the dead owner's objects from shared memory (then every tensor is
+    # checked and the policy is whole), or report them lost: either way a named outcome within the deadline,
+    # never a raw Ray error or a hang.
+    t0 = time.monotonic()
+    try:
+        got = dict(receive(lost, deadline_s=20.0))
+        assert set(got) == lost.names
+    except WeightSyncTimeout as e:
+        assert "the worker that published it died" in str(e)
+    assert time.monotonic() - t0 < 25
