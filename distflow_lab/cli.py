@@ -2,7 +2,7 @@
 
     distflow-lab run CONFIG|PRESET [--mode M] [--steps N] [--out DIR] [--overwrite] [--resume] [key=value ...]
     distflow-lab ablate [--batches 64,128] [--repeats R] [--out DIR] [--overwrite]
-    distflow-lab bench dataplane|balance|serialization|memory|e2e|session-open|matrix [...]
+    distflow-lab bench dataplane|balance|serialization|memory|e2e|session-open|matrix|weight-sync [...]
     distflow-lab bench peer --against trl [--preset P] [--steps N] [--engine E] [--rows N] [--prompts N] [--n N] [--max-tokens N] [--json F]
     distflow-lab soak [--mode M,..] [--schedule S,..] [--engine E,..] [--steps N] [--fault-every F] [--seed S] [--json F] [--override K=V ..]
     distflow-lab data gsm8k|arithmetic [...]
@@ -228,6 +228,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from distflow_lab.experiments.bench import matrix
 
         matrix.run(a.preset, a.cells or matrix.DEFAULT_CELLS, a.steps, a.override, a.json)
+    elif a.which == "weight-sync":
+        from distflow_lab.experiments.bench import weight_sync
+
+        weight_sync.run(list(a.models), list(a.dtypes), list(a.paths), a.repeats, a.bucket_mib, a.json, a.engine)
     elif a.which == "microbatch":
         from distflow_lab.experiments.bench import microbatch
 
@@ -414,7 +418,16 @@ def parser() -> argparse.ArgumentParser:
     mx.add_argument("--steps", type=positive, default=2, help="steps per cell (async cells one more)")
     mx.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every cell (repeatable)")
-    for p in (d, bl, s, m, e, co, cl, asy, mb, so, pe, mx):
+    ws = bsub.add_parser("weight-sync", help="the weight sync part by part (write, read, verify, load) against memcpy")
+    ws.add_argument("--models", type=modes_list(("135m", "59m", "tiny"), "model"), default=("135m", "59m"))
+    ws.add_argument("--dtypes", type=modes_list(("float32", "bfloat16"), "dtype"), default=("float32", "bfloat16"))
+    ws.add_argument("--paths", type=modes_list(("groups", "colocated", "pickled"), "path"),
+                    default=("groups", "colocated", "pickled"))
+    ws.add_argument("--engine", type=modes_list(("hf", "vllm"), "engine"), default=("hf",),
+                    help="the reader's rollout engine(s); vllm: the groups path")
+    ws.add_argument("--repeats", type=positive, default=3, help="syncs per cell after one warm-up")
+    ws.add_argument("--bucket-mib", type=positive, default=256, help="worker groups' bucket size")
+    for p in (d, bl, s, m, e, co, cl, asy, mb, so, pe, mx, ws):
         p.add_argument("--json", help="write the records here")
         p.add_argument("--overwrite", action="store_true", help="replace an existing --json/--html file")
     bench.set_defaults(fn=cmd_bench)

@@ -66,6 +66,7 @@ def test_the_version_a_sync_claims_is_the_version_the_rollout_holds(ray_cluster)
     try:
         m = s.run(6, progress=False)
         spans = s.spans
+        syncs = s.weight_sync()
     finally:
         s.close()
     published = dict(zip(m["schedule/policy_version"], m["schedule/published_checksum"]))
@@ -77,6 +78,11 @@ def test_the_version_a_sync_claims_is_the_version_the_rollout_holds(ray_cluster)
     assert set(sync.worker) == {0, 1, 2, 3}  # both training ranks export (a collective), both rollout ranks pull
     moved = sync[sync.bytes > 0]
     assert set(moved.worker) == {0, 1, 2} and (moved.bytes == 2 * 2**20).all()  # one rank publishes 2 MiB
+    # s.weight_sync(): one row per sync and side, its parts timed, against this machine's memcpy
+    pub, pull = syncs[syncs.side == "publish"], syncs[syncs.side == "pull"]
+    assert set(pub.worker) == {2} and set(pull.worker) == {0, 1} and (syncs.bytes == 2 * 2**20).all()
+    assert len(pub) == 6 and (pub.write_s > 0).all() and (pull.read_s > 0).all() and (pull.load_s > 0).all()
+    assert set(pull.version) <= set(pub.version) and (syncs.x_memcpy > 0).all()
 
 
 def test_every_sample_is_trained_once_or_dropped_and_counted(ray_cluster):

@@ -120,3 +120,45 @@ def test_a_bucket_that_never_arrives_or_whose_publisher_died_is_a_timeout_within
     except WeightSyncTimeout as e:
         assert "the worker that published it died" in str(e)
     assert time.monotonic() - t0 < 25
+
+
+def test_groups_send_the_policy_in_the_rollouts_dtype_and_every_sync_is_a_row(ray_cluster, tmp_path):
+    """A real GRPO run on worker groups with a bfloat16 rollout beside a float32 trainer: the policy
+    travels in bfloat16 (what the rollout holds anyway: half the bytes), tied embedding once, and
+    s.weight_sync() has each sync's publish and pull with their parts."""
+    from distflow_lab.api.runner import load_run_config, open_session
+
+    cfg = load_run_config("tiny-cpu-grpo", [f"trainer.out_dir={tmp_path}/out", "model.warm_start.steps=0",
+                                            "cluster.world_size=2", "data.prompts_per_step=2", "rollout.n=4",
+                                            "rollout.log_probs=true", "rollout.dtype=bfloat16",
+                                            "groups={rollout: 1, train: 1}", "actor.entropy_coeff=0.01"])
+    with open_session(cfg, progress=False) as s:
+        m = [s.step().metrics for _ in range(2)]
+        syncs = s.weight_sync()
+    tok = build_char_tokenizer()
+    model = build_tiny_qwen2(tok, cfg.model.tiny, seed=0)
+    bf16 = sum(t.numel() * 2 for name, t in model.state_dict().items() if name != "lm_head.weight")  # tied: once
+    pub, pull = syncs[syncs.side == "publish"], syncs[syncs.side == "pull"]
+    assert len(pub) == 2 and (pub.bytes == bf16).all(), (pub.bytes.tolist(), bf16)
+    assert len(pull) >= 1 and (pull.bytes == bf16).all() and (pull.load_s > 0).all()
+    assert m[0]["rollout/logprob_diff_max"] > 1e-4  # a real bf16 rollout against the fp32 trainer
+
+
+def test_bench_weight_sync_reports_every_path_against_memcpy(ray_cluster, tmp_path):
+    import json
+
+    from distflow_lab.experiments.bench import weight_sync
+
+    out = tmp_path / "ws.json"
+    weight_sync.run(["tiny"], ["float32", "bfloat16"], list(weight_sync.PATHS), repeats=1, json_path=str(out))
+    rows = json.loads(out.read_text())
+    assert {(r["dtype"], r["path"]) for r in rows} == {(d, p) for d in ("float32", "bfloat16")
+                                                        for p in weight_sync.PATHS}
+    for r in rows:
+        assert r["gbps"]["median"] > 0 and r["x_memcpy"] > 0 and r["memcpy_gbps"] > 0, r
+    groups = [r for r in rows if r["path"] == "groups"]
+    assert all(r["write_s"] > 0 and r["load_s"] > 0 for r in groups)
+    f32, b16 = (next(r["mib"] for r in groups if r["dtype"] == d) for d in ("float32", "bfloat16"))
+    assert b16 == pytest.approx(f32 / 2)
+    with pytest.raises(ValueError, match="paths \\['nvlink'\\]"):
+        weight_sync.run(["tiny"], ["float32"], ["nvlink"])

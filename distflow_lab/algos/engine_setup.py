@@ -141,8 +141,8 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
             for trainer in (e.actor, e.ref, e.critic):
                 if trainer is not None:
                     trainer.before_compute.append(e.rollout.sleep)
-    if trains and not generates:
-        e.weights = ActorWeights(e.actor, e.policy)
+    if trains and not generates:  # sent in the rollout's dtype: what it will hold anyway (bf16: half the bytes)
+        e.weights = ActorWeights(e.actor, e.policy, None if same else getattr(torch, gen_dtype))
     elif generates and not trains:
         e.weights = RolloutWeights(e.rollout, e.policy, gen_model)
     return e
@@ -150,17 +150,17 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
 
 class ActorWeights:
     """The training side of the weight sync (`PolicyWeights`): the actor's full tensors (an FSDP
-    gather, one tensor at a time) at the policy's version."""
+    gather, one tensor at a time) at the policy's version, cast to `dtype` (the rollout's) if given."""
 
-    def __init__(self, actor: TrainEngine, policy: Policy) -> None:
-        self.actor, self.policy = actor, policy
+    def __init__(self, actor: TrainEngine, policy: Policy, dtype: torch.dtype | None = None) -> None:
+        self.actor, self.policy, self.dtype = actor, policy, dtype
 
     @property
     def version(self) -> int:
         return self.policy.version
 
     def export_buckets(self, bucket_bytes: int) -> Iterator[Bucket]:
-        return self.actor.weight_buckets(bucket_bytes, device="cpu")
+        return self.actor.weight_buckets(bucket_bytes, device="cpu", dtype=self.dtype)
 
     def aliases(self) -> dict[str, str]:
         return self.actor.tied_aliases()

@@ -232,8 +232,8 @@ class Session:
         """Every weight sync so far, one row per worker and sync: side (publish / pull on worker
         groups, colocated), version, bytes, tensors, buckets, seconds and its parts (gather, write,
         read, load, verify; colocated syncs: the total only), GB/s, and `x_memcpy`: GB/s against
-        this machine's memcpy, measured once in this process (`weight_transport.memcpy_gbps`)."""
-        from distflow_lab.runtime.weight_transport import memcpy_gbps
+        this machine's memcpy, measured once in this process (`observe.bandwidth.memcpy_gbps`)."""
+        from distflow_lab.observe.bandwidth import memcpy_gbps
 
         df = self.controller.weight_syncs()
         if len(df):

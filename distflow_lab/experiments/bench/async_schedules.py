@@ -42,7 +42,8 @@ from tqdm.auto import tqdm
 from distflow_lab.api.runner import load_run_config, open_session
 from distflow_lab.api.session import Session
 from distflow_lab.core.errors import ConfigError
-from distflow_lab.experiments.bench.common import memcpy_gbps, print_table, write_json
+from distflow_lab.observe.bandwidth import memcpy_gbps
+from distflow_lab.experiments.bench.common import print_table, write_json
 from distflow_lab.experiments.synthetic import synthetic_grpo
 from distflow_lab.runtime.cluster import connect
 

@@ -1,4 +1,4 @@
-"""Shared helpers for benchmarks: timing summaries, memcpy bandwidth, output."""
+"""Shared helpers for benchmarks: timing summaries and output (memcpy bandwidth: observe/bandwidth.py)."""
 from __future__ import annotations
 
 import json
@@ -23,19 +23,6 @@ def step_row(rep, spans: pd.DataFrame | None = None) -> dict:
     """One step's wall_s, compute_s, data_plane_s, bytes_moved (`spans`: rep.spans, if already built)."""
     spans = rep.spans if spans is None else spans
     return step_table(spans, pd.Series({rep.step: rep.wall_seconds})).iloc[0].to_dict()
-
-
-def memcpy_gbps(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
-    """This machine's memcpy bandwidth (warm buffers, median of repeats), GB/s."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in first
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / float(np.median(times)) / 1e9
 
 
 def write_json(records: list[dict], path: str | Path | None) -> None:

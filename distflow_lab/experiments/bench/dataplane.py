@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 
 from distflow_lab.api.session import Session
 from distflow_lab.experiments.bench import verl_peer
-from distflow_lab.experiments.bench.common import memcpy_gbps, print_table, step_row, summarize, write_json
+from distflow_lab.observe.bandwidth import memcpy_gbps
+from distflow_lab.experiments.bench.common import print_table, step_row, summarize, write_json
 from distflow_lab.experiments.bench.shape import rollout_tp_for
 from distflow_lab.experiments.synthetic import synthetic_grpo
 from distflow_lab.core.config import MODES

@@ -17,7 +17,8 @@ import ray
 import torch
 
 from distflow_lab.core.batch import Batch
-from distflow_lab.experiments.bench.common import memcpy_gbps, print_table, summarize, write_json
+from distflow_lab.observe.bandwidth import memcpy_gbps
+from distflow_lab.experiments.bench.common import print_table, summarize, write_json
 
 
 @ray.remote(num_cpus=0)
