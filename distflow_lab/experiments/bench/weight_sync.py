@@ -49,6 +49,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "tiny": (64, 2, 4, 2, 128, 260),
 }
 PATHS = ("groups", "colocated", "pickled")
+SYNC_TIMEOUT_S = 300.0  # one sync of the largest policy takes seconds; a hang is an error, never a wait
 
 
 def build(name: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -87,7 +88,7 @@ class Reader:
         report = SyncReport("pull", manifest.version)
         loaded: set[str] = set()
         t0 = time.perf_counter()
-        self.rollout.load_weights([(n, t)] for n, t in receive(manifest, 120.0, report) if not loaded.add(n))
+        self.rollout.load_weights([(n, t)] for n, t in receive(manifest, SYNC_TIMEOUT_S, report) if not loaded.add(n))
         check_loaded(manifest, loaded)
         row = report.row()
         row["wall_s"] = time.perf_counter() - t0
@@ -97,7 +98,7 @@ class Reader:
 
     def pull_pickled(self, refs: list) -> dict:
         t0 = time.perf_counter()
-        self.rollout.load_weights(ray.get(refs[0]))
+        self.rollout.load_weights(ray.get(refs[0], timeout=SYNC_TIMEOUT_S))
         return {"wall_s": time.perf_counter() - t0, "private_growth_mib": _private_mib() - self.mem0}
 
 
@@ -107,7 +108,7 @@ def _groups(engine: TrainEngine, reader: Any, version: int, bucket_bytes: int) -
     m = publish(engine.weight_buckets(bucket_bytes, device="cpu"), version, engine.tied_aliases(), report=rep)
     pub = rep.row()
     pub_wall = time.perf_counter() - t0
-    pull = ray.get(reader.pull.remote(m))
+    pull = ray.get(reader.pull.remote(m), timeout=SYNC_TIMEOUT_S)
     return {"bytes": m.nbytes, "wall_s": pub_wall + pull["wall_s"], "gather_s": pub["gather_s"],
             "write_s": pub["write_s"], "read_s": pull["read_s"], "verify_s": pub["verify_s"] + pull["verify_s"],
             "load_s": pull["load_s"], "private_growth_mib": pull["private_growth_mib"]}
@@ -117,7 +118,7 @@ def _pickled(engine: TrainEngine, reader: Any) -> dict:
     t0 = time.perf_counter()
     refs = [ray.put(dict(engine.model.state_dict()))]
     write = time.perf_counter() - t0
-    pull = ray.get(reader.pull_pickled.remote(refs))
+    pull = ray.get(reader.pull_pickled.remote(refs), timeout=SYNC_TIMEOUT_S)
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in engine.model.state_dict().values()}
     return {"bytes": sum(unique.values()), "wall_s": write + pull["wall_s"], "write_s": write,
             "private_growth_mib": pull["private_growth_mib"]}
