@@ -193,8 +193,14 @@ class RolloutWeights:
 
     def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
         loaded: set[str] = set()
-        self.rollout.load_weights(([(name, t)] for name, t in tensors if not loaded.add(name)))
-        check_loaded(manifest, loaded)
+
+        def one_bucket_per_tensor() -> Iterator[Bucket]:  # each checked view is loaded before the next is read
+            for name, t in tensors:
+                loaded.add(name)
+                yield [(name, t)]
+
+        self.rollout.load_weights(one_bucket_per_tensor())
+        check_loaded(manifest, loaded)  # what the engine took is what the manifest lists
         self.policy.version, self._sum = manifest.version, manifest.checksum
 
     def checksum(self) -> float:

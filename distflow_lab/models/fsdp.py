@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -407,19 +407,17 @@ class TrainEngine:
         held (plus a tied weight until its last name), so no step holds the whole model twice.
         `stats`, if given, gets "bytes" (gathered, each tensor once) and "tensors" (names) added.
         The input of `VLLMRollout.load_weights`."""
+        yield from buckets_of(self._full_tensors(device, dtype, copy, stats), bucket_bytes)
+
+    def _full_tensors(self, device: torch.device | str | None, dtype: torch.dtype | None, copy: bool,
+                      stats: dict[str, int] | None) -> Iterator[tuple[str, Tensor]]:
         stats = stats if stats is not None else {}
         stats.setdefault("bytes", 0)
         stats.setdefault("tensors", 0)
-        # Tied names (embed/lm_head) share one Parameter object: the module structure says so the
-        # same way on every rank, so every rank gathers the same tensors in the same order.
-        first: dict[int, str] = {}
-        owner = {name: first.setdefault(id(t), name) for name, t in
-                 [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]}
+        owner = self._owners()
         items = list(self.model.state_dict().items())
         names_left = Counter(owner.get(name, name) for name, _ in items)
         tied: dict[str, Tensor] = {}  # gathered once, kept until its last name
-        bucket: list[tuple[str, Tensor]] = []
-        size = 0
         for name, t in items:
             key = owner.get(name, name)
             full = tied.get(key)
@@ -432,23 +430,21 @@ class TrainEngine:
             names_left[key] -= 1
             if names_left[key] == 0:
                 tied.pop(key, None)
-            nbytes = full.numel() * full.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, full))
-            size += nbytes
             stats["tensors"] += 1
-        if bucket:
-            yield bucket
+            yield name, full
 
-    @torch.no_grad()
-    def tied_aliases(self) -> dict[str, str]:
-        """Names that share a parameter with an earlier one (a tied lm_head -> embed_tokens): a
-        weight sync sends the earlier name once and lists these as aliases."""
+    def _owners(self) -> dict[str, str]:
+        """Every parameter/buffer name -> the first name of the tensor it is. Tied names
+        (embed/lm_head) share one Parameter object: the module structure says so the same way on
+        every rank, so every rank gathers the same tensors in the same order."""
         first: dict[int, str] = {}
-        return {name: first[id(t)] for name, t in self.model.named_parameters(remove_duplicate=False)
-                if first.setdefault(id(t), name) != name}
+        return {name: first.setdefault(id(t), name) for name, t in
+                [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers(remove_duplicate=False)]}
+
+    def tied_aliases(self) -> dict[str, str]:
+        """Names that share a tensor with an earlier one (a tied lm_head -> embed_tokens): a
+        weight sync sends the earlier name once and lists these as aliases."""
+        return {name: owner for name, owner in self._owners().items() if owner != name}
 
     def full_state_dict(self, stats: dict[str, int] | None = None) -> dict[str, Tensor]:
         """Full parameters/buffers (HF names) as CPU copies on EVERY rank, gathered one tensor at a
@@ -487,3 +483,18 @@ class TrainEngine:
         set_model_state_dict(self.model, read("model.pt"), options=opts)
         if self.optimizer is not None and (directory / "optim.pt").is_file():
             set_optimizer_state_dict(self.model, self.optimizer, read("optim.pt"), options=opts)
+
+
+def buckets_of(items: Iterable[tuple[str, Tensor]], bucket_bytes: float) -> Iterator[list[tuple[str, Tensor]]]:
+    """(name, tensor) pairs grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
+    bucket: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
