@@ -421,10 +421,11 @@ def parser() -> argparse.ArgumentParser:
     ws = bsub.add_parser("weight-sync", help="the weight sync part by part (write, read, verify, load) against memcpy")
     ws.add_argument("--models", type=modes_list(("135m", "59m", "tiny"), "model"), default=("135m", "59m"))
     ws.add_argument("--dtypes", type=modes_list(("float32", "bfloat16"), "dtype"), default=("float32", "bfloat16"))
-    ws.add_argument("--paths", type=modes_list(("groups", "colocated", "pickled"), "path"),
-                    default=("groups", "colocated", "pickled"))
+    ws.add_argument("--paths", type=modes_list(("shm", "groups", "colocated", "pickled"), "path"),
+                    default=("shm", "groups", "colocated", "pickled"),
+                    help="shm / groups: worker groups through shared memory / the object store")
     ws.add_argument("--engine", type=modes_list(("hf", "vllm"), "engine"), default=("hf",),
-                    help="the reader's rollout engine(s); vllm: the groups path")
+                    help="the reader's rollout engine(s); vllm: the shm and groups paths")
     ws.add_argument("--repeats", type=positive, default=3, help="syncs per cell after one warm-up")
     ws.add_argument("--bucket-mib", type=positive, default=256, help="worker groups' bucket size")
     for p in (d, bl, s, m, e, co, cl, asy, mb, so, pe, mx, ws):

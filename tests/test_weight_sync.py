@@ -1,8 +1,9 @@
 """The weight sync's transport (runtime/weight_transport.py) on real parts: a tiny Qwen2 policy
-crosses Ray's object store as numpy buckets into an HF rollout in another process, tied weights
-travel once, every tensor is checked, and each way a sync can go wrong is a named error: a
-damaged bucket or a missing tensor (WeightSyncMismatch), a bucket that never arrives or whose
-publisher died (WeightSyncTimeout, within the deadline). The vLLM reader: tests/test_vllm.py.
+crosses Ray's object store, or the publisher's shared-memory slots (runtime/shm_slots.py), as
+numpy buckets into an HF rollout in another process, tied weights travel once, every tensor is
+checked, and each way a sync can go wrong is a named error: a damaged bucket or a missing tensor
+(WeightSyncMismatch), a bucket that never arrives, whose publisher died, or whose slot was
+rewritten, and a reader that never lets go of a slot (WeightSyncTimeout, within the deadline). The vLLM reader: tests/test_vllm.py.
 A whole run on worker groups checks what the rollout holds against what was published
 (tests/test_schedules.py)."""
 from __future__ import annotations
@@ -20,8 +21,11 @@ from distflow_lab.models.fsdp import TrainEngine
 from distflow_lab.models.model_dir import build_tiny_qwen2
 from distflow_lab.models.rollout_hf import HFRollout
 from distflow_lab.models.tokenizer import build_char_tokenizer
+from distflow_lab.runtime.shm_slots import SlotReader, SlotRing
 from distflow_lab.runtime.weight_transport import (Manifest, SyncReport, check_loaded, fingerprint, publish,
                                                    read_state, receive)
+
+CARRIERS = ("object_store", "shm")
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +60,28 @@ class Reader:
 
 @ray.remote(num_cpus=0)
 class Publisher:
-    def publish(self, seed: int) -> Manifest:
+    def publish(self, seed: int, carrier: str) -> Manifest:
         tok = build_char_tokenizer()
         engine = TrainEngine(build_tiny_qwen2(tok, TinySpec(), seed=seed), None, device="cpu", use_fsdp=False)
-        return _publish(engine, bucket_bytes=1 << 20)  # objects above Ray's inline size: in shared memory
+        self.ring = SlotRing(2) if carrier == "shm" else None  # the ring lives (and dies) with this process
+        return _publish(engine, bucket_bytes=1 << 20, ring=self.ring)  # objects above Ray's inline size
 
 
-def test_a_policy_crosses_the_object_store_checked_with_tied_weights_sent_once(ray_cluster, policy):
+@pytest.fixture(params=CARRIERS)
+def ring(request):
+    """None: the object store; a SlotRing: the publisher's shared memory (closed after the test)."""
+    if request.param == "object_store":
+        yield None
+        return
+    r = SlotRing(3)
+    yield r
+    r.close()
+
+
+def test_a_policy_crosses_checked_with_tied_weights_sent_once(ray_cluster, policy, ring):
     engine, _ = policy
     report = SyncReport("publish", 1)
-    m = _publish(engine, report=report)
+    m = _publish(engine, report=report, ring=ring)
     state = engine.model.state_dict()
     tied = engine.tied_aliases()
     assert tied == {"lm_head.weight": "model.embed_tokens.weight"}  # the tiny Qwen2 ties them, like SmolLM2
@@ -83,13 +99,13 @@ def test_a_policy_crosses_the_object_store_checked_with_tied_weights_sent_once(r
     ray.kill(reader)
 
 
-def test_a_damaged_bucket_or_a_missing_tensor_is_a_named_mismatch(ray_cluster, policy):
+def test_a_damaged_bucket_or_a_missing_tensor_is_a_named_mismatch(ray_cluster, policy, ring):
     engine, _ = policy
-    m = _publish(engine, version=4, corrupt=0)  # the publisher damages its first bucket after fingerprinting it
+    m = _publish(engine, version=4, corrupt=0, ring=ring)  # the publisher damages its first bucket after fingerprinting it
     first = m.entries[0].name
     with pytest.raises(WeightSyncMismatch, match=rf"policy v4: tensor '{first}': fingerprint .* != published"):
         ray.get(Reader.remote().pull.remote(m), timeout=120)
-    whole = _publish(engine, version=5)
+    whole = _publish(engine, version=5, ring=ring)
     short = Manifest(5, whole.entries[:-1], whole.buckets, whole.aliases, whole.nbytes)  # one tensor never sent
     with pytest.raises(WeightSyncMismatch, match=rf"policy v5: tensor '{whole.entries[-1].name}': not loaded"):
         check_loaded(whole, {name for name, _ in receive(short, 30.0)})
@@ -98,7 +114,9 @@ def test_a_damaged_bucket_or_a_missing_tensor_is_a_named_mismatch(ray_cluster, p
         rollout.load_weights([pair] for pair in receive(short, 30.0))
 
 
-def test_a_bucket_that_never_arrives_or_whose_publisher_died_is_a_timeout_within_the_deadline(ray_cluster, policy):
+@pytest.mark.parametrize("carrier", CARRIERS)
+def test_a_bucket_that_never_arrives_or_whose_publisher_died_is_a_timeout_within_the_deadline(ray_cluster, policy,
+                                                                                               carrier):
     engine, _ = policy
     never = ray.remote(num_cpus=0)(lambda: time.sleep(60)).remote()
     m = Manifest(2, _publish(engine).entries[:1], (never,), {}, 0)
@@ -108,11 +126,11 @@ def test_a_bucket_that_never_arrives_or_whose_publisher_died_is_a_timeout_within
     assert time.monotonic() - t0 < 10
     ray.cancel(never, force=True)
     pub = Publisher.remote()
-    lost = ray.get(pub.publish.remote(seed=4), timeout=120)
-    ray.kill(pub)  # the owner of the buckets dies: its objects go with it
-    # On one node Ray may still serve the dead owner's objects from shared memory (then every tensor is
-    # checked and the policy is whole), or report them lost: either way a named outcome within the deadline,
-    # never a raw Ray error or a hang.
+    lost = ray.get(pub.publish.remote(seed=4, carrier=carrier), timeout=120)
+    ray.kill(pub)  # the owner of the buckets dies: its objects (or its segments) go with it
+    # On one node Ray may still serve the dead owner's objects from shared memory, and a segment lives until
+    # the dead process's resource tracker unlinks it (then every tensor is checked and the policy is whole),
+    # or they are reported lost: either way a named outcome within the deadline, never a raw error or a hang.
     t0 = time.monotonic()
     try:
         got = dict(receive(lost, deadline_s=20.0))
@@ -120,6 +138,39 @@ def test_a_bucket_that_never_arrives_or_whose_publisher_died_is_a_timeout_within
     except WeightSyncTimeout as e:
         assert "the worker that published it died" in str(e)
     assert time.monotonic() - t0 < 25
+
+
+def test_a_rewritten_slot_and_a_reader_that_never_lets_go_are_named_timeouts(policy):
+    """The slot protocol itself (one process, no Ray): a version whose slot the publisher has
+    since rewritten is refused by name, the publisher waits for a reader in its slot only until
+    the deadline, naming the reader, and a reader keeps only the newest publisher's segments mapped."""
+    engine, _ = policy
+    ring = SlotRing(2)
+    try:
+        old = _publish(engine, version=1, ring=ring)
+        _publish(engine, version=2, ring=ring)
+        _publish(engine, version=3, ring=ring)  # slot 1 again: v1 is gone
+        with pytest.raises(WeightSyncTimeout, match=r"policy v1: slot 1 now holds v3 .* moved past it"):
+            list(receive(old, 5.0, reader=SlotReader(7)))
+        reader = SlotReader(5)
+        held = _publish(engine, version=4, ring=ring)
+        reader.read_bucket(4, held.buckets[0])  # reads v4 and never says done (a reader stuck mid-copy)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncTimeout, match=r"policy v6: reader 5 still reads policy v4 from slot 0"):
+            _publish(engine, version=6, ring=ring, deadline_s=0.5)
+        assert time.monotonic() - t0 < 5
+        reader.done(held.buckets[0].control)
+        _publish(engine, version=6, ring=ring, deadline_s=0.5)  # let go: the slot is the publisher's again
+    finally:
+        ring.close()
+    successor = SlotRing(2)  # a new publisher (a restart, a new plan): the reader lets go of the old one's pages
+    try:
+        assert any(name.startswith(ring.prefix) for name in reader.maps)
+        m = _publish(engine, version=7, ring=successor)
+        assert set(dict(receive(m, 5.0, reader=reader))) == m.names
+        assert reader.maps and all(name.startswith(successor.prefix) for name in reader.maps)
+    finally:
+        successor.close()
 
 
 def test_groups_send_the_policy_in_the_rollouts_dtype_and_every_sync_is_a_row(ray_cluster, tmp_path):

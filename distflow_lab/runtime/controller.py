@@ -39,7 +39,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from tqdm.auto import tqdm
 
-from distflow_lab.core.config import SessionConfig, check_groups, check_schedule
+from distflow_lab.core.config import SessionConfig, WeightSyncOptions, check_groups, check_schedule
 from distflow_lab.core.errors import (CheckpointError, PlaneLost, SessionBroken, StageError,
                                       StageTimeout, WorkerLost)
 from distflow_lab.core.spans import spans_to_frame
@@ -54,7 +54,7 @@ from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
 from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport, stage_reports
 from distflow_lab.runtime.schedules import Dispatch, InFlight, Lanes
-from distflow_lab.runtime.weights import WeightBoard
+from distflow_lab.runtime.weights import WeightBoard, board_keep
 from distflow_lab.runtime.worker import WorkerSetup
 from distflow_lab.runtime.worker_pool import POOL, PoolKey, current_cluster
 
@@ -136,12 +136,12 @@ class Controller:
             self._init_torch_distributed()
             threads = c.threads_per_worker or default_threads(c.world_size)
             if self.plan.groups:  # generation and training on disjoint workers: weights travel between them
-                self.board = WeightBoard.remote(keep=self.config.schedule.staleness + 2)
+                self.board = WeightBoard.remote(keep=board_keep(self.config.schedule.staleness))
             p = self.config.profile
             profile = ProfileSpec(p.stages, p.steps, p.directory) if p is not None else None  # absolute here
             setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.session_id, self.config.algo,
                                 self.engines, self.config.keep_outputs, threads, profile=profile, board=self.board,
-                                schedule=self.config.schedule, weight_sync=self.config.weight_sync)
+                                schedule=self.config.schedule, weight_sync=self._weight_sync())
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
             self.plane.ready()
@@ -201,6 +201,14 @@ class Controller:
     @property
     def workers(self) -> list:
         return self.placement.workers if self.placement else []
+
+    def _weight_sync(self) -> WeightSyncOptions:
+        """The options with transport "auto" resolved: shared memory when every worker is on one node."""
+        opts = self.config.weight_sync
+        if opts.transport == "auto":
+            one_node = len(set(self.placement.worker_nodes)) == 1
+            opts = opts.model_copy(update={"transport": "shm" if one_node else "object_store"})
+        return opts
 
     def close(self) -> None:
         """End the session: its workers go back to the worker pool if it is healthy (and the

@@ -1,12 +1,16 @@
-"""The weight sync's transport between worker groups: a policy version as numpy buckets in
-Ray's object store, described by a `Manifest`, checked tensor by tensor on arrival.
+"""The weight sync's transport between worker groups: a policy version as numpy buckets,
+described by a `Manifest`, checked tensor by tensor on arrival. Two carriers:
 
-    publisher (training rank 0):  buckets = actor's gathered tensors, at most `bucket_bytes` each
-                                  ray.put([numpy view of each tensor])   -> one object per bucket
-                                  Manifest(version, entries, bucket refs)  -> the WeightBoard
-    reader (each rollout worker): ray.get(bucket ref) -> read-only views mapped from shared memory
-                                  (no copy); each view is checked against its fingerprint, then the
-                                  rollout copies it into its own parameter (the one copy).
+    shm (one node)        the publisher rewrites its own shared-memory slots in place
+                          (runtime/shm_slots.py): warm pages, one copy in, one copy out
+    object_store (nodes)  ray.put([numpy view of each tensor]) -> one object per bucket
+
+    publisher (training rank 0):  buckets = actor's gathered tensors, at most `bucket_bytes` each,
+                                  written to the carrier; Manifest(version, entries, buckets) ->
+                                  the WeightBoard
+    reader (each rollout worker): read-only views of each bucket (a mapping, no copy); each view is
+                                  checked against its fingerprint, then the rollout copies it into
+                                  its own parameter (the one copy on this side).
 
 Why numpy, not torch tensors: Ray pickles numpy arrays out of band (pickle 5), so a put is one
 copy into shared memory and a get maps it without copying; a dict of torch tensors is pickled
@@ -23,6 +27,8 @@ verify), bytes, GB/s. The worker records one per sync, on both sides.
 """
 from __future__ import annotations
 
+import functools
+import os
 import time
 import warnings
 from collections import defaultdict
@@ -36,6 +42,8 @@ import torch
 from ray.exceptions import GetTimeoutError, RayError
 
 from distflow_lab.core.errors import WeightSyncMismatch, WeightSyncTimeout
+from distflow_lab.models.fsdp import buckets_of
+from distflow_lab.runtime.shm_slots import MAX_READERS, ShmBucket, SlotReader, SlotRing
 
 Bucket = list[tuple[str, torch.Tensor]]
 FINGERPRINT_SAMPLES = 4096
@@ -126,20 +134,24 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _as_tensor(a: np.ndarray, entry: TensorEntry) -> torch.Tensor:
-    """A tensor over `a`'s memory (the caller silences torch's read-only warning: we only read it)."""
+    """A tensor over `a`'s memory: an array of the entry's dtype, its int16 bits, or raw bytes from
+    shared memory (the caller silences torch's read-only warning: we only read it)."""
     dtype = getattr(torch, entry.dtype)
     t = torch.from_numpy(a)
-    return (t.view(dtype) if dtype in _BITS else t).reshape(entry.shape)
+    return (t.view(dtype) if t.dtype != dtype else t).reshape(entry.shape)
 
 
 def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | None = None, put: bool = True,
             report: SyncReport | None = None, corrupt: int | None = None,
-            after_put: Callable[[int], Any] | None = None) -> Manifest:
+            after_put: Callable[[int], Any] | None = None, ring: SlotRing | None = None,
+            deadline_s: float = 60.0) -> Manifest:
     """Send `buckets` (every rank of an FSDP group iterates them: the gather is collective; only
-    the rank with `put` writes). `aliases`: tied names not sent (name -> the name that is).
-    Fault injection only: `corrupt=i` damages bucket i's first tensor after fingerprinting it;
-    `after_put(i)` runs after bucket i is written."""
+    the rank with `put` writes): into `ring`'s shared memory when given (same node), else the
+    object store. `aliases`: tied names not sent (name -> the name that is). `deadline_s` bounds
+    the wait for a ring slot's readers. Fault injection only: `corrupt=i` damages bucket i's first
+    tensor after fingerprinting it; `after_put(i)` runs after bucket i is written."""
     aliases = dict(aliases or {})
+    slot = ring.begin(version, time.monotonic() + deadline_s) if put and ring is not None else None
     report = report or SyncReport("publish", version)
     entries: list[TensorEntry] = []
     refs: list[Any] = []
@@ -163,11 +175,13 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
             if corrupt == len(refs):  # a bit flipped in every byte of its first tensor, after the fingerprint
                 arrays[0] = (arrays[0].view(np.uint8) ^ 0x40).view(arrays[0].dtype)
             with report.part("write"):
-                refs.append(ray.put(arrays))
+                refs.append(ray.put(arrays) if slot is None else ring.write(version, slot, len(refs), arrays))
             if after_put is not None:
                 after_put(len(refs) - 1)
         elif arrays:
             refs.append(None)
+    if slot is not None:
+        ring.finish(version, slot)
     report.nbytes, report.tensors, report.buckets = nbytes, len(entries), len(refs)
     missing = sorted(set(aliases.values()) - {e.name for e in entries})
     if missing:
@@ -176,11 +190,13 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
     return Manifest(version, tuple(entries), tuple(refs) if put else (), aliases, nbytes)
 
 
-def receive(manifest: Manifest, deadline_s: float, report: SyncReport | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def receive(manifest: Manifest, deadline_s: float, report: SyncReport | None = None,
+            reader: SlotReader | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every name of `manifest` (aliases too), each a read-only view of the
-    object store checked against its fingerprint. WeightSyncTimeout past `deadline_s` (from the
-    first bucket on), WeightSyncMismatch for a tensor that is not what was published. The caller
-    copies each view before the next bucket (a view stays valid while this generator lives)."""
+    object store or of the publisher's shared memory (through `reader`, this process's mappings),
+    checked against its fingerprint. WeightSyncTimeout past `deadline_s` (from the first bucket
+    on), WeightSyncMismatch for a tensor that is not what was published. The caller copies each
+    view before the next one is yielded (a shared-memory slot is held for us only until then)."""
     report = report or SyncReport("pull", manifest.version)
     by_bucket: dict[int, list[TensorEntry]] = defaultdict(list)
     for e in manifest.entries:
@@ -191,25 +207,45 @@ def receive(manifest: Manifest, deadline_s: float, report: SyncReport | None = N
     end = time.monotonic() + deadline_s
     report.nbytes, report.tensors, report.buckets = manifest.nbytes, len(manifest.entries), len(manifest.buckets)
     for b, ref in enumerate(manifest.buckets):
+        shm = isinstance(ref, ShmBucket)
+        if shm:
+            reader = reader or _process_reader()
         with report.part("read"):
-            arrays = _get(ref, end, manifest.version, b, len(manifest.buckets))
-        for e in by_bucket[b]:
-            with report.part("verify"), warnings.catch_warnings():  # mapped read-only: we only read it
-                warnings.simplefilter("ignore", UserWarning)
-                if e.index >= len(arrays):
-                    raise _mismatch(manifest.version, e.name, f"bucket {b} holds {len(arrays)} tensors, not {e.index + 1}")
-                try:
-                    t = _as_tensor(arrays[e.index], e)
-                except (RuntimeError, ValueError, TypeError) as err:  # not the shape or dtype published
-                    raise _mismatch(manifest.version, e.name, f"bucket {b} holds no {e.dtype}{list(e.shape)} at "
-                                                              f"{e.index}: {err}") from None
-                got = fingerprint(t)
-            if got != e.fingerprint:
-                raise _mismatch(manifest.version, e.name, f"fingerprint {got!r} != published {e.fingerprint!r} "
-                                                          f"(bucket {b}, {e.dtype}{list(e.shape)})")
-            yield e.name, t
-            for alias in shared[e.name]:
-                yield alias, t
+            arrays = reader.read_bucket(manifest.version, ref) if shm else _get(ref, end, manifest.version, b,
+                                                                                len(manifest.buckets))
+        try:
+            yield from _checked(manifest, b, by_bucket[b], arrays, shared, report)
+        finally:
+            if shm:
+                reader.done(ref.control)
+
+
+def _checked(manifest: Manifest, b: int, entries: list[TensorEntry], arrays: list[np.ndarray],
+             shared: dict[str, list[str]], report: SyncReport) -> Iterator[tuple[str, torch.Tensor]]:
+    for e in entries:
+        with report.part("verify"), warnings.catch_warnings():  # mapped read-only: we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            if e.index >= len(arrays):
+                raise _mismatch(manifest.version, e.name, f"bucket {b} holds {len(arrays)} tensors, not {e.index + 1}")
+            try:
+                t = _as_tensor(arrays[e.index], e)
+            except (RuntimeError, ValueError, TypeError) as err:  # not the shape or dtype published
+                raise _mismatch(manifest.version, e.name, f"bucket {b} holds no {e.dtype}{list(e.shape)} at "
+                                                          f"{e.index}: {err}") from None
+            got = fingerprint(t)
+        if got != e.fingerprint:
+            raise _mismatch(manifest.version, e.name, f"fingerprint {got!r} != published {e.fingerprint!r} "
+                                                      f"(bucket {b}, {e.dtype}{list(e.shape)})")
+        yield e.name, t
+        for alias in shared[e.name]:
+            yield alias, t
+
+
+@functools.lru_cache(maxsize=None)
+def _process_reader() -> SlotReader:
+    """This process's mappings when its caller names no reader (the driver reading a checkpoint):
+    reader slot by pid, which another process could share; a worker passes its rank instead."""
+    return SlotReader(os.getpid() % MAX_READERS)
 
 
 def _get(ref: Any, end: float, version: int, b: int, n: int) -> list[np.ndarray]:
@@ -247,18 +283,3 @@ def read_state(manifest: Manifest, deadline_s: float = 60.0) -> dict[str, torch.
 def publish_state(state: dict[str, torch.Tensor], version: int, bucket_bytes: int = 256 << 20) -> Manifest:
     """A state dict (a checkpoint's policy) back onto the object store."""
     return publish(buckets_of(state.items(), bucket_bytes), version)
-
-
-def buckets_of(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """(name, tensor) pairs grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
-    bucket: Bucket = []
-    size = 0
-    for name, t in items:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket

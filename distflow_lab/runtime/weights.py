@@ -85,6 +85,12 @@ class WeightBoard:
         return sorted(self.posts)
 
 
+def board_keep(staleness: int) -> int:
+    """How many policy versions the WeightBoard holds: the staleness bound's worth of versions a
+    batch may come from, plus the newest and the one being replaced."""
+    return staleness + 2
+
+
 def state_checksum(state: dict[str, torch.Tensor]) -> float:
     """The sum of every tensor's fingerprint: what a sync's Manifest.checksum is for the same weights."""
     return float(sum(fingerprint(t) for t in state.values()))

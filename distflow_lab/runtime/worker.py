@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import ray
@@ -40,8 +40,10 @@ from distflow_lab.runtime.engines import StageState, WorkerEngines, check_engine
 from distflow_lab.runtime.profiling import ProfileSpec, profile_stage
 from distflow_lab.runtime.progress import ProgressNote
 from distflow_lab.runtime.results import StageResult
-from distflow_lab.runtime.weight_transport import SyncReport, publish, publish_state, read_state, receive
 from distflow_lab.runtime.samples import sample_rows
+from distflow_lab.runtime.shm_slots import MAX_READERS, SlotReader, SlotRing
+from distflow_lab.runtime.weight_transport import SyncReport, publish, publish_state, read_state, receive
+from distflow_lab.runtime.weights import board_keep
 
 
 @dataclass
@@ -63,13 +65,10 @@ class WorkerSetup:
     weight_sync: WeightSyncOptions = field(default_factory=WeightSyncOptions)  # worker groups: buckets, deadline
 
 
-def _timed(tensors, report: SyncReport):
-    """`tensors`, the time the consumer spends on each (its copy into the engine) counted as "load"."""
-    it = iter(tensors)
-    while True:
-        item = next(it, None)  # receive() counts its own read and verify
-        if item is None:
-            return
+def _timed(tensors: Iterable[tuple[str, torch.Tensor]], report: SyncReport) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors`, with the time the consumer spends on each (its copy into the engine) counted as
+    "load" (receive() counts its own read and verify, outside the yield)."""
+    for item in tensors:
         t0 = time.perf_counter()
         yield item
         report.parts["load"] += time.perf_counter() - t0
@@ -93,6 +92,8 @@ class DAGWorker:
             self.node = "local"
         self.rec = SpanRecorder(rank, self.node)
         self.syncs: list[dict] = []  # SyncReport rows since the last stage result (weight_transport.py)
+        self.ring: SlotRing | None = None  # a publisher's shared-memory slots (weight_sync.transport shm)
+        self.slots = SlotReader(rank % MAX_READERS)  # a reader's mappings of publishers' slots
         self.port: WorkerPort | None = None
         self.outputs: dict[str, Batch] = {}
         self.engines: WorkerEngines = StageState(rank=rank)
@@ -162,6 +163,9 @@ class DAGWorker:
         self._loader_at_step_start = None  # a reused worker must not restore the last plan's loader
         self._loader_at = {}
         self.rec.take()
+        if self.ring is not None:  # a new plan's publisher starts its own slots
+            self.ring.close()
+            self.ring = None
         gc.unfreeze()  # setup froze the last plan's objects: let the collector free what they left in cycles
         gc.collect()
 
@@ -271,9 +275,11 @@ class DAGWorker:
         with self.rec.span(step, last.id, "weight_sync") as sp:
             corrupt = 0 if puts and self._maybe_fault(step, last.id, "corrupt_weights") else None
             mid = (lambda b: self._maybe_fault(step, last.id, "exit_mid_sync")) if puts else None
+            if puts and opts.transport == "shm" and self.ring is None:
+                self.ring = SlotRing(board_keep(self.s.schedule.staleness) + 1)  # never a version the board holds
             manifest = self._sync_errors(step, last.id, lambda: publish(
                 w.export_buckets(opts.bucket_mib << 20), w.version, w.aliases(), put=puts, report=report,
-                corrupt=corrupt, after_put=mid))
+                corrupt=corrupt, after_put=mid, ring=self.ring, deadline_s=opts.timeout_s))
             if puts:
                 sp.bytes, sp.items = manifest.nbytes, len(manifest.entries)
                 self._board(step, last.id, "post", lambda b: b.post.remote(w.version, manifest, manifest.checksum,
@@ -301,7 +307,7 @@ class DAGWorker:
         if newer:
             report = SyncReport("pull", version)
             with self.rec.span(step, stage, "weight_sync", bytes=nbytes):
-                tensors = receive(manifest, self.s.weight_sync.timeout_s, report)
+                tensors = receive(manifest, self.s.weight_sync.timeout_s, report, self.slots)
                 self._sync_errors(step, stage, lambda: w.import_tensors(_timed(tensors, report), manifest))
             self.syncs.append(report.row())
         return w.version

@@ -131,12 +131,18 @@ class ScheduleOptions(Strict):
 
 class WeightSyncOptions(Strict):
     """Weight sync between worker groups (runtime/weight_transport.py): the training group's
-    rank 0 writes the policy into the object store in buckets, each rollout worker reads and
-    checks every tensor. (Colocated syncs use the rollout engine's buckets: rollout.vllm.weight_sync_bucket_mib.)"""
+    rank 0 writes the policy in buckets, each rollout worker reads and checks every tensor.
+    (Colocated syncs use the rollout engine's buckets: rollout.vllm.weight_sync_bucket_mib.)"""
+
+    transport: Literal["auto", "shm", "object_store"] = "auto"
+    """Where the buckets go: "shm", the publisher's own shared memory rewritten in place (one node;
+    runtime/shm_slots.py), or "object_store", Ray's (any nodes). "auto": shm when every worker is on
+    one node."""
 
     bucket_mib: int = Field(default=256, ge=1)
-    """Largest bucket (one object-store object) in MiB; a larger single tensor goes alone. Fewer, larger
-    buckets write faster (benchmarks/probes/weight_sync_object_store.py: 256 MiB at 0.50x memcpy, 64 MiB at 0.08x)."""
+    """Largest bucket (one object-store object, or one shared-memory segment) in MiB; a larger single tensor
+    goes alone. Fewer, larger buckets write faster into the object store
+    (benchmarks/probes/weight_sync_object_store.py: 256 MiB at 0.50x memcpy, 64 MiB at 0.08x)."""
     timeout_s: float = Field(default=60.0, gt=0)
     """A sync (or a call to the WeightBoard) that takes longer is WeightSyncTimeout / WeightBoardLost, never a hang."""
 

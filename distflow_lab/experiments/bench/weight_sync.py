@@ -1,13 +1,16 @@
 """The weight sync, part by part, against this machine's memcpy in the same run.
 
     distflow-lab bench weight-sync [--models 135m,59m,tiny] [--dtypes float32,bfloat16]
-                                   [--paths groups,colocated,pickled] [--repeats 3] [--json F]
+                                   [--paths shm,groups,colocated,pickled] [--repeats 3] [--json F]
 
-Paths (the reader is an HF rollout; each path is what the product runs):
-  groups     worker groups (runtime/weight_transport.py): the publisher (this process) gathers the
-             policy (`TrainEngine.weight_buckets`, one rank: no all-gather), writes numpy buckets into
-             the object store (`publish`); a reader actor in another process maps each bucket, checks
-             every tensor's fingerprint and copies it into its model (`receive` + `load_weights`).
+Paths (the reader is an HF rollout or a vLLM engine; each path is what the product runs):
+  shm        worker groups on one node (runtime/weight_transport.py + shm_slots.py): the publisher
+             (this process) gathers the policy (`TrainEngine.weight_buckets`, one rank: no
+             all-gather) and writes it into its shared-memory slots, rewritten in place (`publish`
+             with a `SlotRing`); a reader actor in another process maps each bucket (kept mapped),
+             checks every tensor's fingerprint and copies it into its model (`receive` + `load_weights`).
+  groups     worker groups across nodes: the same, with the buckets as numpy objects in Ray's
+             object store (what `weight_sync.transport: object_store` runs).
   colocated  one process: the actor's buckets straight into the rollout's parameters (`sync_weights`).
   pickled    the path before issue 35: a dict of torch tensors through `ray.put` (pickled in band),
              `ray.get` (a deserialized copy), then `load_weights` (a third copy). The baseline.
@@ -17,11 +20,13 @@ The `135m` policy has SmolLM2-135M's shapes (Llama, 30 layers, hidden 576, tied 
 (bandwidth does not depend on the values). `bfloat16` is what a bfloat16 rollout is sent
 (`ActorWeights` casts to the rollout's dtype). Per cell: GB/s end to end (bytes / the sync's wall
 seconds, publish + pull), x memcpy, each part's seconds, and the reader's private memory growth
-(USS after the sync minus before the first: a copy held beyond the model shows here).
-The first sync of each cell is a warm-up and is not counted.
+(USS after the sync minus before the path's first: a copy held beyond the model shows here).
+The first sync of each cell is a warm-up and is not counted (shm: the first of each of its
+RING_SLOTS slots, whose pages it faults in; a run pays that once per slot).
 """
 from __future__ import annotations
 
+import gc
 import shutil
 import tempfile
 import time
@@ -41,6 +46,7 @@ from distflow_lab.models.rollout_hf import HFRollout
 from distflow_lab.models.tokenizer import build_char_tokenizer
 from distflow_lab.observe.bandwidth import memcpy_gbps
 from distflow_lab.runtime.cluster import connect
+from distflow_lab.runtime.shm_slots import SlotReader, SlotRing
 from distflow_lab.runtime.weight_transport import SyncReport, check_loaded, publish, receive
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
@@ -48,7 +54,8 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "59m": (640, 10, 10, 2, 1728, 32768),
     "tiny": (64, 2, 4, 2, 128, 260),
 }
-PATHS = ("groups", "colocated", "pickled")
+PATHS = ("shm", "groups", "colocated", "pickled")
+RING_SLOTS = 3  # what a one_step_off run keeps (runtime.weights.board_keep(0) + 1)
 SYNC_TIMEOUT_S = 300.0  # one sync of the largest policy takes seconds; a hang is an error, never a wait
 
 
@@ -82,13 +89,21 @@ class Reader:
             from distflow_lab.models.rollout_vllm import VLLMRollout
 
             self.rollout = VLLMRollout(model_dir, tok, opts, 8, dtype=dtype, seed=0, sleep_at_start=False)
+        self.slots = SlotReader(0)
+        self.mem0 = _private_mib()
+
+    def next_path(self) -> None:
+        """Memory growth counts from here; mappings of the last path's segments go."""
+        self.slots.close()
+        gc.collect()
         self.mem0 = _private_mib()
 
     def pull(self, manifest: Any) -> dict:
         report = SyncReport("pull", manifest.version)
         loaded: set[str] = set()
         t0 = time.perf_counter()
-        self.rollout.load_weights([(n, t)] for n, t in receive(manifest, SYNC_TIMEOUT_S, report) if not loaded.add(n))
+        tensors = receive(manifest, SYNC_TIMEOUT_S, report, self.slots)
+        self.rollout.load_weights([(n, t)] for n, t in tensors if not loaded.add(n))
         check_loaded(manifest, loaded)
         row = report.row()
         row["wall_s"] = time.perf_counter() - t0
@@ -102,10 +117,11 @@ class Reader:
         return {"wall_s": time.perf_counter() - t0, "private_growth_mib": _private_mib() - self.mem0}
 
 
-def _groups(engine: TrainEngine, reader: Any, version: int, bucket_bytes: int) -> dict:
+def _groups(engine: TrainEngine, reader: Any, version: int, bucket_bytes: int, ring: SlotRing | None) -> dict:
     rep = SyncReport("publish", version)
     t0 = time.perf_counter()
-    m = publish(engine.weight_buckets(bucket_bytes, device="cpu"), version, engine.tied_aliases(), report=rep)
+    m = publish(engine.weight_buckets(bucket_bytes, device="cpu"), version, engine.tied_aliases(), report=rep,
+                ring=ring, deadline_s=SYNC_TIMEOUT_S)
     pub = rep.row()
     pub_wall = time.perf_counter() - t0
     pull = ray.get(reader.pull.remote(m), timeout=SYNC_TIMEOUT_S)
@@ -139,7 +155,7 @@ def cells(name: str, dtype: str, paths: list[str], repeats: int, bucket_mib: int
     engine = TrainEngine(build(name, getattr(torch, dtype)), None, device="cpu", use_fsdp=False)
     model_dir = None
     if engine_name == "vllm":
-        paths = [p for p in paths if p == "groups"]
+        paths = [p for p in paths if p in ("shm", "groups")]
         model_dir = str((workdir or Path(tempfile.mkdtemp())) / f"{name}-{dtype}")
         save_model_dir(engine.model, build_char_tokenizer(), model_dir)
     reader = Reader.remote(name, dtype, engine_name, model_dir) if set(paths) - {"colocated"} else None
@@ -148,15 +164,21 @@ def cells(name: str, dtype: str, paths: list[str], repeats: int, bucket_mib: int
     out: dict[str, list[dict]] = {}
     for path in paths:
         out[path] = []
-        for v in range(1, repeats + 2):
-            if path == "groups":
-                r = _groups(engine, reader, v, bucket_mib << 20)
+        if reader is not None:
+            ray.get(reader.next_path.remote(), timeout=SYNC_TIMEOUT_S)
+        ring = SlotRing(RING_SLOTS) if path == "shm" else None
+        warmups = RING_SLOTS if ring is not None else 1  # each slot's pages are faulted in by its first write
+        for v in range(1, repeats + warmups + 1):
+            if path in ("shm", "groups"):
+                r = _groups(engine, reader, v, bucket_mib << 20, ring)
             elif path == "pickled":
                 r = _pickled(engine, reader)
             else:
                 r = _colocated(engine, rollout)
-            if v > 1:
+            if v > warmups:
                 out[path].append(r)
+        if ring is not None:
+            ring.close()
     if reader is not None:
         ray.kill(reader)
     return out
