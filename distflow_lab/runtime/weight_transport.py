@@ -243,9 +243,11 @@ def _checked(manifest: Manifest, b: int, entries: list[TensorEntry], arrays: lis
 
 @functools.lru_cache(maxsize=None)
 def _process_reader() -> SlotReader:
-    """This process's mappings when its caller names no reader (the driver reading a checkpoint):
-    reader slot by pid, which another process could share; a worker passes its rank instead."""
-    return SlotReader(os.getpid() % MAX_READERS)
+    """This process's mappings when its caller names no reader (a driver or a probe reading the
+    board): a reader mark by pid, from the top half of the marks; workers use their rank, from the
+    bottom (two processes off the workers could still share one: then a torn read is caught by
+    the fingerprints, as a mismatch)."""
+    return SlotReader(MAX_READERS - 1 - os.getpid() % (MAX_READERS // 2))
 
 
 def _get(ref: Any, end: float, version: int, b: int, n: int) -> list[np.ndarray]:
@@ -275,9 +277,9 @@ def check_loaded(manifest: Manifest, loaded: set[str]) -> None:
                                                       f"missing: {missing[:5]})")
 
 
-def read_state(manifest: Manifest, deadline_s: float = 60.0) -> dict[str, torch.Tensor]:
+def read_state(manifest: Manifest, deadline_s: float = 60.0, reader: SlotReader | None = None) -> dict[str, torch.Tensor]:
     """The whole policy as owned tensors (a checkpoint of the board's versions)."""
-    return {name: t.clone() for name, t in receive(manifest, deadline_s)}
+    return {name: t.clone() for name, t in receive(manifest, deadline_s, reader=reader)}
 
 
 def publish_state(state: dict[str, torch.Tensor], version: int, bucket_bytes: int = 256 << 20) -> Manifest:

@@ -93,7 +93,7 @@ class DAGWorker:
         self.rec = SpanRecorder(rank, self.node)
         self.syncs: list[dict] = []  # SyncReport rows since the last stage result (weight_transport.py)
         self.ring: SlotRing | None = None  # a publisher's shared-memory slots (weight_sync.transport shm)
-        self.slots = SlotReader(rank % MAX_READERS)  # a reader's mappings of publishers' slots
+        self.slots = SlotReader(rank % (MAX_READERS // 2))  # its mappings of publishers' slots (marks: bottom half)
         self.port: WorkerPort | None = None
         self.outputs: dict[str, Batch] = {}
         self.engines: WorkerEngines = StageState(rank=rank)
@@ -528,7 +528,7 @@ class DAGWorker:
             for v in board_versions:
                 manifest, checksum, nbytes = self._held(step, "save_checkpoint", v, "a batch in flight came from")
                 state = self._sync_errors(step, "save_checkpoint",
-                                          lambda: read_state(manifest, self.s.weight_sync.timeout_s))
+                                          lambda: read_state(manifest, self.s.weight_sync.timeout_s, self.slots))
                 torch.save({"version": v, "state": state, "checksum": checksum, "nbytes": nbytes},
                            d / "board" / f"v{v:06d}.pt")
             saved.append("board")
