@@ -93,6 +93,7 @@ def test_a_policy_crosses_checked_with_tied_weights_sent_once(ray_cluster, polic
     got = ray.get(reader.pull.remote(m), timeout=120)
     assert all(torch.equal(got["state"][k], v) for k, v in state.items())  # bit for bit, every name
     row = got["report"]
+    assert row["transport"] == report.transport == ("shm" if ring is not None else "object_store")
     assert row["bytes"] == m.nbytes and row["tensors"] == len(m.entries) and row["read_s"] > 0
     assert m.checksum == pytest.approx(sum(fingerprint(state[e.name]) for e in m.entries))
     assert set(read_state(m)) == set(state)  # a checkpoint of the board reads the same policy back
@@ -192,6 +193,7 @@ def test_groups_send_the_policy_in_the_rollouts_dtype_and_every_sync_is_a_row(ra
     pub, pull = syncs[syncs.side == "publish"], syncs[syncs.side == "pull"]
     assert len(pub) == 2 and (pub.bytes == bf16).all(), (pub.bytes.tolist(), bf16)
     assert len(pull) >= 1 and (pull.bytes == bf16).all() and (pull.load_s > 0).all()
+    assert set(syncs.transport) == {"shm"}  # one node: the publisher's shared memory (weight_sync.transport auto)
     assert m[0]["rollout/logprob_diff_max"] > 1e-4  # a real bf16 rollout against the fp32 trainer
 
 

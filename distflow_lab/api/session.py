@@ -230,7 +230,8 @@ class Session:
 
     def weight_sync(self) -> pd.DataFrame:
         """Every weight sync so far, one row per worker and sync: side (publish / pull on worker
-        groups, colocated), version, bytes, tensors, buckets, seconds and its parts (gather, write,
+        groups, colocated), version, transport (shm / object_store on worker groups), bytes,
+        tensors, buckets, seconds and its parts (gather, write,
         read, load, verify; colocated syncs: the total only), GB/s, and `x_memcpy`: GB/s against
         this machine's memcpy, measured once in this process (`observe.bandwidth.memcpy_gbps`)."""
         from distflow_lab.observe.bandwidth import memcpy_gbps

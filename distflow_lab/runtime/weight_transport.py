@@ -103,6 +103,7 @@ class SyncReport:
     side: str  # "publish" or "pull" (groups), "colocated"
     version: int
     mode: str = "full"
+    transport: str = ""  # "shm" or "object_store" (groups), "" (colocated)
     nbytes: int = 0
     tensors: int = 0
     buckets: int = 0
@@ -118,7 +119,8 @@ class SyncReport:
 
     def row(self) -> dict[str, Any]:
         seconds = sum(self.parts.values())
-        return {"side": self.side, "version": self.version, "mode": self.mode, "bytes": self.nbytes,
+        return {"side": self.side, "version": self.version, "mode": self.mode, "transport": self.transport,
+                "bytes": self.nbytes,
                 "tensors": self.tensors, "buckets": self.buckets, "seconds": seconds,
                 **{f"{p}_s": self.parts.get(p, 0.0) for p in ("gather", "write", "read", "load", "verify")},
                 "gbps": self.nbytes / seconds / 1e9 if seconds > 0 else float("nan")}
@@ -153,6 +155,7 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
     aliases = dict(aliases or {})
     slot = ring.begin(version, time.monotonic() + deadline_s) if put and ring is not None else None
     report = report or SyncReport("publish", version)
+    report.transport = "shm" if ring is not None else "object_store"
     entries: list[TensorEntry] = []
     refs: list[Any] = []
     nbytes = 0
@@ -206,6 +209,7 @@ def receive(manifest: Manifest, deadline_s: float, report: SyncReport | None = N
         shared[owner].append(alias)
     end = time.monotonic() + deadline_s
     report.nbytes, report.tensors, report.buckets = manifest.nbytes, len(manifest.entries), len(manifest.buckets)
+    report.transport = "shm" if any(isinstance(b, ShmBucket) for b in manifest.buckets) else "object_store"
     for b, ref in enumerate(manifest.buckets):
         shm = isinstance(ref, ShmBucket)
         if shm:
