@@ -119,13 +119,14 @@ def test_a_damaged_bucket_or_a_missing_tensor_is_a_named_mismatch(ray_cluster, p
 def test_a_bucket_that_never_arrives_or_whose_publisher_died_is_a_timeout_within_the_deadline(ray_cluster, policy,
                                                                                                carrier):
     engine, _ = policy
-    never = ray.remote(num_cpus=0)(lambda: time.sleep(60)).remote()
-    m = Manifest(2, _publish(engine).entries[:1], (never,), {}, 0)
-    t0 = time.monotonic()
-    with pytest.raises(WeightSyncTimeout, match=r"policy v2: bucket 1 of 1 did not arrive within"):
-        list(receive(m, deadline_s=1.0))
-    assert time.monotonic() - t0 < 10
-    ray.cancel(never, force=True)
+    if carrier == "object_store":  # an object that is never produced (a slot is written before it is announced)
+        never = ray.remote(num_cpus=0)(lambda: time.sleep(60)).remote()
+        m = Manifest(2, _publish(engine).entries[:1], (never,), {}, 0)
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncTimeout, match=r"policy v2: bucket 1 of 1 did not arrive within"):
+            list(receive(m, deadline_s=1.0))
+        assert time.monotonic() - t0 < 10
+        ray.cancel(never, force=True)
     pub = Publisher.remote()
     lost = ray.get(pub.publish.remote(seed=4, carrier=carrier), timeout=120)
     ray.kill(pub)  # the owner of the buckets dies: its objects (or its segments) go with it

@@ -91,6 +91,12 @@ def board_keep(staleness: int) -> int:
     return staleness + 2
 
 
+def ring_slots(staleness: int) -> int:
+    """How many shared-memory slots a publisher keeps (runtime/shm_slots.py): one more than the
+    board holds, so a version the board still names is never being rewritten."""
+    return board_keep(staleness) + 1
+
+
 def state_checksum(state: dict[str, torch.Tensor]) -> float:
     """The sum of every tensor's fingerprint: what a sync's Manifest.checksum is for the same weights."""
     return float(sum(fingerprint(t) for t in state.values()))

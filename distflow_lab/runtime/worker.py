@@ -43,7 +43,7 @@ from distflow_lab.runtime.results import StageResult
 from distflow_lab.runtime.samples import sample_rows
 from distflow_lab.runtime.shm_slots import MAX_READERS, SlotReader, SlotRing
 from distflow_lab.runtime.weight_transport import SyncReport, publish, publish_state, read_state, receive
-from distflow_lab.runtime.weights import board_keep
+from distflow_lab.runtime.weights import ring_slots
 
 
 @dataclass
@@ -276,7 +276,7 @@ class DAGWorker:
             corrupt = 0 if puts and self._maybe_fault(step, last.id, "corrupt_weights") else None
             mid = (lambda b: self._maybe_fault(step, last.id, "exit_mid_sync")) if puts else None
             if puts and opts.transport == "shm" and self.ring is None:
-                self.ring = SlotRing(board_keep(self.s.schedule.staleness) + 1)  # never a version the board holds
+                self.ring = SlotRing(ring_slots(self.s.schedule.staleness))
             manifest = self._sync_errors(step, last.id, lambda: publish(
                 w.export_buckets(opts.bucket_mib << 20), w.version, w.aliases(), put=puts, report=report,
                 corrupt=corrupt, after_put=mid, ring=self.ring, deadline_s=opts.timeout_s))

@@ -48,6 +48,7 @@ from distflow_lab.observe.bandwidth import memcpy_gbps
 from distflow_lab.runtime.cluster import connect
 from distflow_lab.runtime.shm_slots import SlotReader, SlotRing
 from distflow_lab.runtime.weight_transport import SyncReport, check_loaded, publish, receive
+from distflow_lab.runtime.weights import ring_slots
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "135m": (576, 30, 9, 3, 1536, 49152),  # SmolLM2-135M
@@ -55,7 +56,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "tiny": (64, 2, 4, 2, 128, 260),
 }
 PATHS = ("shm", "groups", "colocated", "pickled")
-RING_SLOTS = 3  # what a one_step_off run keeps (runtime.weights.board_keep(0) + 1)
+RING_SLOTS = ring_slots(0)  # what a one_step_off run keeps
 SYNC_TIMEOUT_S = 300.0  # one sync of the largest policy takes seconds; a hang is an error, never a wait
 
 
