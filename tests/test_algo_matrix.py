@@ -13,14 +13,18 @@ from distflow_lab.core.errors import ConfigError
 from distflow_lab.experiments.schedule_consistency import compare, tiny_config
 from distflow_lab.runtime.worker_pool import POOL
 
-ALGORITHMS = {  # preset, extra overrides: every algorithm and every estimator a preset allows
+# preset, extra overrides: every algorithm and every estimator a preset allows. GSPO trains LoRA adapters
+# (models/lora.py: a sync sends the adapters, the rollout merges them): LoRA meets every plane, schedule and
+# engine through GSPO's cells, full fine-tuning through the others (the loss and the update are the same
+# code either way; GSPO's full fine-tuning learns in tests/test_rl_dapo_gspo.py)
+ALGORITHMS = {
     "grpo": ("tiny-cpu-grpo", []),
     "dr_grpo": ("tiny-cpu-grpo", ["algorithm.adv_estimator=dr_grpo", "actor.loss_agg_mode=seq-mean-token-sum-norm"]),
     "rloo": ("tiny-cpu-grpo", ["algorithm.adv_estimator=rloo"]),
     "reinforce_plus_plus": ("tiny-cpu-grpo", ["algorithm.adv_estimator=reinforce_plus_plus"]),
     "ppo": ("tiny-cpu-ppo", []),
     "dapo": ("tiny-cpu-dapo", ["algorithm.dapo.max_rounds=2"]),
-    "gspo": ("tiny-cpu-gspo", []),
+    "gspo_lora": ("tiny-cpu-gspo", ["actor.lora={rank: 4, alpha: 8}"]),
 }
 pytestmark = pytest.mark.full  # the whole algorithm x schedule x engine matrix: the full tier
 
@@ -69,7 +73,7 @@ PARTIAL_COORDINATOR = ("async", "coordinator", [GROUPS, "schedule.kind=async", "
 CELLS = {"grpo": SCHEDULES[3:],  # (colocated on the distributed plane: PPO's, GSPO's and REINFORCE++'s cells)
          "dapo": [*SCHEDULES[:3], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
          "ppo": [SCHEDULES[2], SCHEDULES[4], SCHEDULES[5], SCHEDULES[8]],
-         "gspo": [SCHEDULES[2], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
+         "gspo_lora": [SCHEDULES[2], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
          "dr_grpo": [SCHEDULES[8]], "rloo": [PARTIAL_COORDINATOR], "reinforce_plus_plus": [SCHEDULES[2], SCHEDULES[8]]}
 
 
@@ -87,13 +91,19 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
             if algo == "grpo" and schedule == "groups-sync":  # the figure: 3 per-step series + the token histogram
                 fig = s.mismatch()
                 assert [t.type for t in fig.data] == ["scatter"] * 3 + ["histogram"] and len(fig.data[3].x) > 0
+            if algo == "gspo_lora" and schedule != "colocated":  # each sync carried the adapters (async k = 2
+                syncs = s.weight_sync()  # may generate every batch at version 0: no pull)
+                sides = set(syncs["side"]) if schedule == "async" else {"publish", "pull"}
+                assert set(syncs["mode"]) == {"lora"} and set(syncs["side"]) == sides, (
+                    schedule, plane, syncs[["step", "side", "mode", "tensors"]].to_string())
+                assert syncs["tensors"].max() == 2 * 7 * 2, syncs  # A and B of 7 linear layers x 2 blocks
         where = f"{algo} / {schedule} / {plane}"
         m = [r.metrics for r in reports]
         assert all("actor/loss" in x and "reward/mean" in x for x in m), where
         diff = [x["rollout/logprob_diff_max"] for x in m]
         if schedule in ("colocated", "groups-sync"):  # the rollout held the trainer's current weights
             assert max(diff) < 1e-4, (where, diff)
-        elif schedule == "one_step_off" and algo in ("grpo", "gspo"):  # it lags one update: the weights moved
+        elif schedule == "one_step_off" and algo in ("grpo", "gspo_lora"):  # it lags one update: the weights moved
             assert diff[-1] > 1e-6, (where, diff)
         lag = [x["actor/stale_token_frac"] for x in m]
         if schedule in ("colocated", "groups-sync"):
@@ -154,7 +164,7 @@ def test_async_k0_is_sync_and_k1_is_one_step_off_on_a_real_engine(ray_cluster, t
 TP2 = ["rollout.tp=2"]  # one vLLM engine over both workers, tensor parallel over gloo
 VLLM_CELLS = {"grpo": [("colocated-tp2", "coordinator", TP2)],  # colocated tp=1: DAPO's cell; async with
               # partial rollouts on vLLM: PPO's cell here and tests/test_multiturn_rollout.py
-              "dapo": [SCHEDULES[0]], "gspo": [SCHEDULES[3], SCHEDULES[6]], "ppo": [PARTIAL_COORDINATOR]}
+              "dapo": [SCHEDULES[0]], "gspo_lora": [SCHEDULES[3], SCHEDULES[6]], "ppo": [PARTIAL_COORDINATOR]}
 
 
 @pytest.mark.budget(180, reason="up to three vLLM sessions (engine builds of ~20 s each) in one cell")
@@ -170,7 +180,10 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
         refused = POOL.stats.refused
         with open_session(cfg, progress=False) as s:  # colocated: 2 updates show the sync; groups: 3 show the lag
             m = [s.step().metrics for _ in range(2 if schedule.startswith("colocated") else UPDATES)]
+            modes = set(s.weight_sync().get("mode", ["colocated"]))
         where = f"vllm / {algo} / {schedule} / {plane}"
+        assert modes == ({"lora"} if algo == "gspo_lora" else {"full"} if "groups" in str(overrides) else
+                         {"colocated"}), (where, modes)
         assert POOL.stats.refused == refused + 1, where  # vLLM's shutdown ended the world: never parked
         diff = [x["rollout/logprob_diff_max"] for x in m]
         if schedule.startswith("colocated") or schedule == "groups-sync":

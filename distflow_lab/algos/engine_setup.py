@@ -24,6 +24,7 @@ from distflow_lab.datasets.rewards import reward_for
 from distflow_lab.graph.nodes import resolve_function
 from distflow_lab.models.critic import build_critic_from
 from distflow_lab.models.fsdp import TrainEngine
+from distflow_lab.models.lora import LoraMerge, apply_lora
 from distflow_lab.models.model_dir import load_model_dir
 from distflow_lab.models.rollout import RolloutEngine, make_rollout
 from distflow_lab.runtime.context import StageContext
@@ -78,6 +79,7 @@ class RLEngines:
     weights: PolicyWeights | None = None  # worker groups: this worker's half of the weight sync
     stream: Any = None  # partial rollouts: the streaming decoder around the rollout's module (algos/streaming.py)
     multi_turn: Any = None  # multi-turn rollouts: the trajectories' engine and its environment pool (algos/multiturn.py)
+    lora: LoraMerge | None = None  # a LoRA policy's rollout: adapters in, merged weights out (models/lora.py)
 
     def checkpointed(self) -> dict[str, Checkpointable]:
         """The trained engines and the version they are at (the rollout and reference are rebuilt)."""
@@ -115,7 +117,8 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
     compute = getattr(torch, cfg.model.compute_dtype) if cfg.model.compute_dtype else None  # FSDP2 mixed precision
     if trains:
         pg = ctx.groups.get("actor_update")  # the training layout's data-parallel group (FSDP2 shards over it)
-        e.actor = TrainEngine(model, cfg.actor, process_group=pg, temperature=temp, micro_token_budget=budget,
+        policy = apply_lora(model, cfg.actor.lora) if cfg.actor.lora else model
+        e.actor = TrainEngine(policy, cfg.actor, process_group=pg, temperature=temp, micro_token_budget=budget,
                               mixed_precision=compute, gradient_checkpointing=cfg.actor.gradient_checkpointing)
         e.ref = TrainEngine(fresh(), None, process_group=pg, micro_token_budget=budget, temperature=temp,
                             mixed_precision=compute)
@@ -141,35 +144,43 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
             for trainer in (e.actor, e.ref, e.critic):
                 if trainer is not None:
                     trainer.before_compute.append(e.rollout.sleep)
+    if generates and cfg.actor.lora and not e.policy.shared:
+        e.lora = LoraMerge(cfg.model.path, cfg.actor.lora)
     if trains and not generates:  # sent in the rollout's dtype: what it will hold anyway (bf16: half the bytes)
-        e.weights = ActorWeights(e.actor, e.policy, None if same else getattr(torch, gen_dtype))
+        e.weights = ActorWeights(e.actor, e.policy, None if same else getattr(torch, gen_dtype), cfg.actor.lora is not None)
     elif generates and not trains:
-        e.weights = RolloutWeights(e.rollout, e.policy, gen_model)
+        e.weights = RolloutWeights(e.rollout, e.policy, gen_model, e.lora)
     return e
 
 
 class ActorWeights:
     """The training side of the weight sync (`PolicyWeights`): the actor's full tensors (an FSDP
-    gather, one tensor at a time) at the policy's version, cast to `dtype` (the rollout's) if given."""
+    gather, one tensor at a time) at the policy's version, cast to `dtype` (the rollout's) if given;
+    a LoRA policy's adapters only (`lora`), in the trainer's dtype (the reader merges in float32)."""
 
-    def __init__(self, actor: TrainEngine, policy: Policy, dtype: torch.dtype | None = None) -> None:
-        self.actor, self.policy, self.dtype = actor, policy, dtype
+    def __init__(self, actor: TrainEngine, policy: Policy, dtype: torch.dtype | None = None, lora: bool = False) -> None:
+        self.actor, self.policy, self.dtype, self.lora = actor, policy, dtype, lora
+        self.mode = "lora" if lora else "full"
 
     @property
     def version(self) -> int:
         return self.policy.version
 
     def export_buckets(self, bucket_bytes: int) -> Iterator[Bucket]:
+        if self.lora:
+            return self.actor.adapter_buckets(bucket_bytes, device="cpu")
         return self.actor.weight_buckets(bucket_bytes, device="cpu", dtype=self.dtype)
 
     def aliases(self) -> dict[str, str]:
-        return self.actor.tied_aliases()
+        return {} if self.lora else self.actor.tied_aliases()
 
     def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
         raise RuntimeError("the training group publishes weights; it never imports them")
 
     def checksum(self) -> float:
         """Collective under FSDP (a full gather): every training rank must call it."""
+        if self.lora:
+            return state_checksum({name: t for b in self.export_buckets(1 << 62) for name, t in b})
         return state_checksum(self.actor.full_state_dict())
 
 
@@ -177,8 +188,10 @@ class RolloutWeights:
     """The generation side (`PolicyWeights`): a published policy goes into the rollout engine
     (each checked view copied once, into the engine's own weights) and becomes this worker's version."""
 
-    def __init__(self, rollout: RolloutEngine, policy: Policy, model: torch.nn.Module | None) -> None:
-        self.rollout, self.policy = rollout, policy
+    def __init__(self, rollout: RolloutEngine, policy: Policy, model: torch.nn.Module | None,
+                 lora: LoraMerge | None = None) -> None:
+        self.rollout, self.policy, self.lora = rollout, policy, lora
+        self.mode = "lora" if lora is not None else "full"
         self._sum = state_checksum(model.state_dict()) if model is not None else 0.0
 
     @property
@@ -194,17 +207,28 @@ class RolloutWeights:
     def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
         loaded: set[str] = set()
 
-        def one_bucket_per_tensor() -> Iterator[Bucket]:  # each checked view is loaded before the next is read
+        def noted() -> Iterator[tuple[str, torch.Tensor]]:  # each checked view is loaded before the next is read
             for name, t in tensors:
                 loaded.add(name)
-                yield [(name, t)]
+                yield name, t
 
-        self.rollout.load_weights(one_bucket_per_tensor())
+        load_policy(self.rollout, noted(), self.lora)
         check_loaded(manifest, loaded)  # what the engine took is what the manifest lists
         self.policy.version, self._sum = manifest.version, manifest.checksum
 
     def checksum(self) -> float:
         return self._sum
+
+
+def load_policy(rollout: RolloutEngine, tensors: Iterable[tuple[str, torch.Tensor]], lora: LoraMerge | None) -> None:
+    """Published tensors into the rollout engine, one at a time: the whole policy, or (`lora`) a LoRA
+    policy's adapters merged into the layers they adapt (all of the checkpoint when the engine
+    discarded its weights)."""
+    if lora is None:
+        rollout.load_weights([nt] for nt in tensors)
+    else:
+        everything = rollout.needs_weights
+        rollout.load_weights(lora.merged(tensors, everything), partial=not everything)
 
 
 def make_reward_fn(opts: RewardOptions) -> Callable[[str, str, str], float]:
@@ -230,9 +254,13 @@ def sync_weights(ctx: StageContext) -> None:
     stats = {"bytes": 0, "tensors": 0}
     with ctx.span("weight_sync") as span:
         # bounded buckets straight from the actor's tensors into the engine's: the load is the only copy
-        # (vLLM casts to its dtype on the way; HF's copy_ converts)
-        e.rollout.load_weights(e.actor.weight_buckets(e.rollout.bucket_bytes, dtype=e.rollout.weight_dtype,
-                                                      stats=stats))
+        # (vLLM casts to its dtype on the way; HF's copy_ converts); a LoRA policy: its adapters, merged here
+        if e.lora is not None:
+            load_policy(e.rollout, (nt for b in e.actor.adapter_buckets(e.rollout.bucket_bytes, stats=stats)
+                                    for nt in b), e.lora)
+        else:
+            e.rollout.load_weights(e.actor.weight_buckets(e.rollout.bucket_bytes, dtype=e.rollout.weight_dtype,
+                                                          stats=stats))
         if span is not None:
             span.bytes, span.items = stats["bytes"], stats["tensors"]
     e.policy.stale = False

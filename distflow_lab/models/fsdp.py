@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from distflow_lab.core.config import Optim
+from distflow_lab.models.lora import adapter_name, is_lora
 from distflow_lab.models.token_ops import (LOSS_AGG_MODES, entropy_from_logits, log_probs_from_logits, loss_count,
                                            loss_sum)
 
@@ -181,7 +182,9 @@ class TrainEngine:
         self.padding_waste = 0.0  # padded / real tokens of the last forward pass (forward_log_probs / values)
         self.is_critic = type(model).__name__.endswith("ForTokenClassification") if critic is None else critic
         trainable = optim is not None
-        model.requires_grad_(trainable).train(trainable)
+        if not (trainable and is_lora(model)):  # a LoRA policy: peft froze W0 and left the adapters trainable
+            model.requires_grad_(trainable)
+        model.train(trainable)
         if trainable and gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.grad_scale = 1.0  # multiplies each contribution; the world size if FSDP2 must average
@@ -190,7 +193,7 @@ class TrainEngine:
         else:
             model.to(self.device)
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                            weight_decay=optim.weight_decay) if trainable else None
 
     # ---------------------------------------------------------------- setup
@@ -409,16 +412,27 @@ class TrainEngine:
         The input of `VLLMRollout.load_weights`."""
         yield from buckets_of(self._full_tensors(device, dtype, copy, stats), bucket_bytes)
 
+    def adapter_buckets(self, bucket_bytes: int = 512 << 20, device: torch.device | str | None = None,
+                        stats: dict[str, int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+        """A LoRA policy's adapters only (models/lora.py: "<module>.lora_A" / ".lora_B"), gathered
+        like `weight_buckets` (collective under FSDP)."""
+        yield from buckets_of(self._full_tensors(device, None, False, stats, rename=adapter_name), bucket_bytes)
+
     def _full_tensors(self, device: torch.device | str | None, dtype: torch.dtype | None, copy: bool,
-                      stats: dict[str, int] | None) -> Iterator[tuple[str, Tensor]]:
+                      stats: dict[str, int] | None, rename: Callable[[str], str | None] = lambda name: name,
+                      ) -> Iterator[tuple[str, Tensor]]:
+        """(name, full tensor) one at a time; `rename`: the name it is sent under, None to skip it
+        (the same names on every rank, so the gathers stay in lock-step)."""
         stats = stats if stats is not None else {}
         stats.setdefault("bytes", 0)
         stats.setdefault("tensors", 0)
         owner = self._owners()
         items = list(self.model.state_dict().items())
-        names_left = Counter(owner.get(name, name) for name, _ in items)
+        names_left = Counter(owner.get(name, name) for name, _ in items if rename(name) is not None)
         tied: dict[str, Tensor] = {}  # gathered once, kept until its last name
         for name, t in items:
+            if (sent := rename(name)) is None:
+                continue
             key = owner.get(name, name)
             full = tied.get(key)
             if full is None:
@@ -431,7 +445,7 @@ class TrainEngine:
             if names_left[key] == 0:
                 tied.pop(key, None)
             stats["tensors"] += 1
-            yield name, full
+            yield sent, full
 
     def _owners(self) -> dict[str, str]:
         """Every parameter/buffer name -> the first name of the tensor it is. Tied names

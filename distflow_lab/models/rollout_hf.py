@@ -102,7 +102,8 @@ class HFRollout:
         """The module is the caller's (it may be the trainer's own)."""
 
     @torch.no_grad()
-    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[list[tuple[str, torch.Tensor]]]) -> set[str]:
+    def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[list[tuple[str, torch.Tensor]]],
+                     partial: bool = False) -> set[str]:
         """Copy HF-named weights into the rollout model's parameters in place: a state dict, or
         buckets of (name, tensor) pairs consumed one at a time (`TrainEngine.weight_buckets`, or a
         weight sync's received views), so the only copy is the one into the parameter. Returns the
@@ -112,6 +113,7 @@ class HFRollout:
         (a tied name sharing a parameter already written is not copied twice). A partial load is
         WeightSyncMismatch naming the missing tensors. dtype is converted. Not needed when the
         rollout shares the trainer's module object (colocated): it already holds the new weights.
+        `partial`: only some layers (a LoRA policy's merged layers); the rest keep theirs.
         """
         own = self.model.state_dict()
         buckets = [list(weights.items())] if isinstance(weights, Mapping) else weights
@@ -128,7 +130,7 @@ class HFRollout:
                 if t.data_ptr() not in written:
                     t.copy_(src)
                     written.add(t.data_ptr())
-        missing = sorted(set(own) - seen)
+        missing = [] if partial else sorted(set(own) - seen)
         if missing:
             raise _mismatch(f"the sync covered {len(seen)} of the model's {len(own)} tensors; missing "
                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")

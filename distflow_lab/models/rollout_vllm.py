@@ -293,6 +293,23 @@ def clear_stale_cpu_shm(rank: int, tp: int, root: Path = Path("/dev/shm")) -> li
 
 
 @contextlib.contextmanager
+def quiet_reload():
+    """vLLM's in-place reload warns about every layer a partial load leaves alone ("Failed to load
+    weights", "not loaded from checkpoint"): a LoRA sync leaves most of them alone on purpose."""
+    import logging
+
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+@contextlib.contextmanager
 def kept_rng_state():
     """Restore torch's (CPU and CUDA), numpy's and Python's global RNG states on exit."""
     py, npy = random.getstate(), np.random.get_state()
@@ -388,25 +405,30 @@ class VLLMRollout:
         return self._vllm.SamplingParams(**{**sampling_kwargs(self.cfg, self.eos_id, seed), **override})
 
     # ---- weight sync
-    def load_weights(self, weights: Mapping[str, Tensor] | Iterable[Bucket]) -> int:
+    def load_weights(self, weights: Mapping[str, Tensor] | Iterable[Bucket], partial: bool = False) -> int:
         """Load HF-named weights: a state dict, or buckets of (name, tensor) pairs consumed one at a
         time (`TrainEngine.weight_buckets`; collective under FSDP, so every rank must call this),
         through vLLM's in-place reload. Every tensor of the checkpoint must arrive: a partial load is
         an error (the engine then refuses to generate until a full one). Resets the prefix cache (its
         KV came from the old weights); requests still running (partial rollouts) are preempted, and
-        vLLM recomputes their KV under the new weights when they resume. Returns the tensors loaded."""
+        vLLM recomputes their KV under the new weights when they resume. Returns the tensors loaded.
+        `partial`: only some layers (a LoRA policy's merged layers, each of vLLM's fused layers whole:
+        models/lora.py); the rest keep theirs, so never onto discarded weights."""
         buckets = [list(weights.items())] if isinstance(weights, Mapping) else weights
+        if partial and self.needs_weights:
+            raise RuntimeError("a partial weight load onto an engine that discarded its weights: load them all")
         self._wake("weights")
         seen: list[str] = []
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": recorded(buckets, seen)})
+            with quiet_reload() if partial else contextlib.nullcontext():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": recorded(buckets, seen)})
         except Exception as e:  # a sync that failed part-way (a damaged tensor, a lost bucket): never a silent mix
             self.needs_weights = True
             cause = next((c for c in _chain(e) if isinstance(c, StageError)), None)
             if cause is not None:
                 raise cause from None
             raise
-        missing = sorted((self.expected_names or set()) - set(seen))
+        missing = [] if partial else sorted((self.expected_names or set()) - set(seen))
         if missing:
             self.needs_weights = True
             raise WeightSyncMismatch(f"weight sync covered {len(set(seen))} of the checkpoint's "

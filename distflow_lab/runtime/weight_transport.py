@@ -146,16 +146,17 @@ def _as_tensor(a: np.ndarray, entry: TensorEntry) -> torch.Tensor:
 def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | None = None, put: bool = True,
             report: SyncReport | None = None, corrupt: int | None = None,
             after_put: Callable[[int], Any] | None = None, ring: SlotRing | None = None,
-            deadline_s: float = 60.0) -> Manifest:
+            deadline_s: float = 60.0, mode: str = "full") -> Manifest:
     """Send `buckets` (every rank of an FSDP group iterates them: the gather is collective; only
     the rank with `put` writes): into `ring`'s shared memory when given (same node), else the
     object store. `aliases`: tied names not sent (name -> the name that is). `deadline_s` bounds
-    the wait for a ring slot's readers. Fault injection only: `corrupt=i` damages bucket i's first
+    the wait for a ring slot's readers. `mode`: what the buckets are ("full": the policy; "lora": its
+    adapters), shown on both sides' reports. Fault injection only: `corrupt=i` damages bucket i's first
     tensor after fingerprinting it; `after_put(i)` runs after bucket i is written."""
     aliases = dict(aliases or {})
     slot = ring.begin(version, time.monotonic() + deadline_s) if put and ring is not None else None
     report = report or SyncReport("publish", version)
-    report.transport = "shm" if ring is not None else "object_store"
+    report.transport, report.mode = "shm" if ring is not None else "object_store", mode
     entries: list[TensorEntry] = []
     refs: list[Any] = []
     nbytes = 0
@@ -190,7 +191,7 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
     if missing:
         raise WeightSyncMismatch(f"tied weights {missing} are not among the tensors published", step=-1,
                                  stage="weight_sync", worker=None)
-    return Manifest(version, tuple(entries), tuple(refs) if put else (), aliases, nbytes)
+    return Manifest(version, tuple(entries), tuple(refs) if put else (), aliases, nbytes, mode)
 
 
 def receive(manifest: Manifest, deadline_s: float, report: SyncReport | None = None,
@@ -209,6 +210,7 @@ def receive(manifest: Manifest, deadline_s: float, report: SyncReport | None = N
         shared[owner].append(alias)
     end = time.monotonic() + deadline_s
     report.nbytes, report.tensors, report.buckets = manifest.nbytes, len(manifest.entries), len(manifest.buckets)
+    report.mode = manifest.mode
     report.transport = "shm" if any(isinstance(b, ShmBucket) for b in manifest.buckets) else "object_store"
     for b, ref in enumerate(manifest.buckets):
         shm = isinstance(ref, ShmBucket)

@@ -32,6 +32,7 @@ from distflow_lab.runtime.weight_transport import Bucket, Manifest, check_loaded
 
 class PolicyWeights(Protocol):
     version: int
+    mode: str  # what a sync carries: "full" (the policy) or "lora" (its adapters, models/lora.py)
 
     def export_buckets(self, bucket_bytes: int) -> Iterator[Bucket]:
         """The full policy in buckets (collective on the training group: every rank iterates)."""
@@ -105,6 +106,8 @@ def state_checksum(state: dict[str, torch.Tensor]) -> float:
 class SyntheticWeights:
     """A policy-sized stand-in for the synthetic workload: `mib` of float32 whose
     content is a function of the version, so `checksum()` tells versions apart."""
+
+    mode = "full"
 
     def __init__(self, mib: float = 4.0, seed: int = 0) -> None:
         self.numel = max(1, int(mib * 2**20 / 4))

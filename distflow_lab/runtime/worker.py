@@ -279,7 +279,7 @@ class DAGWorker:
                 self.ring = SlotRing(ring_slots(self.s.schedule.staleness))
             manifest = self._sync_errors(step, last.id, lambda: publish(
                 w.export_buckets(opts.bucket_mib << 20), w.version, w.aliases(), put=puts, report=report,
-                corrupt=corrupt, after_put=mid, ring=self.ring, deadline_s=opts.timeout_s))
+                corrupt=corrupt, after_put=mid, ring=self.ring, deadline_s=opts.timeout_s, mode=w.mode))
             if puts:
                 sp.bytes, sp.items = manifest.nbytes, len(manifest.entries)
                 self._board(step, last.id, "post", lambda b: b.post.remote(w.version, manifest, manifest.checksum,

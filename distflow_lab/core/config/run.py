@@ -230,7 +230,27 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 KLKind = Literal["k1", "k3", "low_var_kl", "abs", "mse"]
 
 
+class LoraOptions(Strict):
+    """Train low-rank adapters instead of the whole policy (peft's LoRA, Hu et al. 2021): W = W0 + alpha/rank * B A
+    on each target linear layer, W0 frozen. A weight sync then sends only A and B; the rollout merges them into
+    its own copy of W0 (models/lora.py). "LoRA without regret" (Schulman et al., 2025) finds it matches full
+    fine-tuning for RL, with every linear layer adapted and about 10x the full fine-tuning learning rate."""
+
+    rank: int = Field(default=16, ge=1)
+    """r: the adapters' inner width."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Scale numerator: the update is alpha / rank * B A."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Linear layers to adapt, by module name (q_proj, v_proj, ...), or every linear layer but the LM head."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class ActorOptions(Optim):
+    lora: LoraOptions | None = None
+    """LoRA adapters (None: full fine-tuning): `actor.lora={rank: 16, alpha: 32}`."""
     micro_token_budget: int = Field(default=4096, ge=1)
     """Real tokens per micro-batch (gradient accumulation is normalized: grouping does not change the update)."""
     gradient_checkpointing: bool = False
