@@ -21,7 +21,6 @@ adapted module's bias too, and the untouched members of a fused group (their W0)
 """
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 
 from distflow_lab.core.config import LoraOptions
 from distflow_lab.core.errors import ConfigError
+from distflow_lab.models.model_dir import checkpoint_tensors
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM loads each group as one layer
 _PEFT_NAME = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<which>lora_[AB])\.[^.]+\.weight$")
@@ -66,10 +66,18 @@ class LoraMerge:
     a merge writes (the adapted ones and their fused siblings) after the first merge."""
 
     def __init__(self, model_dir: str | Path, opts: LoraOptions) -> None:
-        self.files = _safetensors_files(Path(model_dir).expanduser())
+        self.where = checkpoint_tensors(model_dir)  # the checkpoint's tensors, in file order -> their file
+        if not self.where:
+            raise ConfigError(f"actor.lora: the rollout merges adapters into the checkpoint's own weights, and "
+                              f"{model_dir} holds no model.safetensors (save it with "
+                              "save_pretrained(safe_serialization=True))")
         self.scale = opts.scale
-        self.order = [n for f in self.files for n in _keys(f)]  # the checkpoint's tensors, in file order
         self.base: dict[str, torch.Tensor] = {}  # W0 of the layers a merge writes
+
+    @property
+    def order(self) -> list[str]:
+        """The checkpoint's tensor names, in file order."""
+        return list(self.where)
 
     def merged(self, adapters: Iterable[tuple[str, torch.Tensor]], everything: bool = False
                ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -84,7 +92,7 @@ class LoraMerge:
         if broken:
             raise ValueError(f"LoRA sync: {broken[:3]} arrived without both lora_A and lora_B")
         written = self._written(set(ab))
-        for name in self.order if everything else [n for n in self.order if n in written]:
+        for name in self.where if everything else [n for n in self.where if n in written]:
             w0 = self._w0(name, keep=name in written)
             d = ab.get(name.removesuffix(".weight"))
             yield [(name, w0 if d is None else (w0.float() + self.scale * (d["lora_B"] @ d["lora_A"])).to(w0.dtype))]
@@ -98,10 +106,10 @@ class LoraMerge:
             for group in FUSED:
                 if leaf in group:
                     modules |= {f"{prefix}.{sibling}" for sibling in group}
-        written = {n for n in self.order if n.rpartition(".")[0] in modules}
+        written = {n for n in self.where if n.rpartition(".")[0] in modules}
         missing = sorted(m for m in adapted if f"{m}.weight" not in written)
         if missing:
-            raise ValueError(f"LoRA sync: {missing[:3]} are not layers of the rollout's checkpoint {self.files[0].parent}")
+            raise ValueError(f"LoRA sync: {missing[:3]} are not layers of the rollout's checkpoint")
         return written
 
     def _w0(self, name: str, keep: bool) -> torch.Tensor:
@@ -109,28 +117,8 @@ class LoraMerge:
             return self.base[name]
         from safetensors import safe_open
 
-        for f in self.files:
-            with safe_open(str(f), framework="pt") as sf:
-                if name in sf.keys():
-                    t = sf.get_tensor(name)
-                    if keep:
-                        self.base[name] = t
-                    return t
-        raise KeyError(name)
-
-
-def _keys(f: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(f), framework="pt") as sf:
-        return list(sf.keys())
-
-
-def _safetensors_files(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return [directory / f for f in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
-    if (directory / "model.safetensors").is_file():
-        return [directory / "model.safetensors"]
-    raise ConfigError(f"actor.lora: the rollout merges adapters into the checkpoint's own weights, and {directory} "
-                      "holds no model.safetensors (save it with save_pretrained(safe_serialization=True))")
+        with safe_open(str(self.where[name]), framework="pt") as sf:
+            t = sf.get_tensor(name)
+        if keep:
+            self.base[name] = t
+        return t

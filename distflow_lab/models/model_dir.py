@@ -82,6 +82,18 @@ def has_model(directory: str | os.PathLike) -> bool:
     return (d / "config.json").is_file() and any((d / f).is_file() for f in _WEIGHT_FILES)
 
 
+def checkpoint_tensors(directory: str | os.PathLike) -> dict[str, Path]:
+    """Every tensor name of a local HF checkpoint's safetensors files -> the file holding it, in
+    file order (empty when it has none)."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in sorted(Path(directory).expanduser().glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            where.update(dict.fromkeys(sf.keys(), f))
+    return where
+
+
 def load_model_dir(
     directory: str | os.PathLike, dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

@@ -85,6 +85,7 @@ from transformers import PreTrainedTokenizerBase
 
 from distflow_lab.core.config import RolloutOptions
 from distflow_lab.core.errors import ConfigError, StageError, WeightSyncMismatch
+from distflow_lab.models.model_dir import checkpoint_tensors
 from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
 
 SUPPORTED = ((0, 32, 0), (0, 33, 0))  # [low, high): the version pinned in pyproject.toml (in-place reload_weights)
@@ -188,17 +189,6 @@ def assemble_outputs(outputs: Sequence[Any], prompt_ids: Tensor, prompt_mask: Te
     if logps is not None:
         cols["rollout_log_probs"] = logps * response_mask
     return cols
-
-
-def checkpoint_names(model_path: str) -> set[str]:
-    """The tensor names of a local HF checkpoint (its safetensors files): what a sync must cover."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            names.update(sf.keys())
-    return names
 
 
 def _chain(e: BaseException | None) -> Iterator[BaseException]:
@@ -335,7 +325,7 @@ class VLLMRollout:
         with kept_rng_state():  # vLLM seeds the process's global RNGs: the trainer's stream must not move
             llm = vllm.LLM(model=str(model_path), **kwargs)
         self._bind(vllm, llm, tokenizer, opts, max_prompt_len, dtype)
-        self.expected_names = checkpoint_names(model_path)
+        self.expected_names = set(checkpoint_tensors(model_path))  # what a full sync must cover
         if sleep_at_start:  # a colocated trainer gets the memory until the first rollout; the first sync refills it
             self.sleep()  # (a rollout-only worker keeps the checkpoint's weights: nothing is posted before update 1)
 
