@@ -176,7 +176,7 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
     engine would never join)."""
     preset, extra = ALGORITHMS[algo]
     for schedule, plane, overrides in VLLM_CELLS[algo]:
-        cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm"])
+        cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm", "rollout.vllm.enforce_eager=true"])
         refused = POOL.stats.refused
         with open_session(cfg, progress=False) as s:  # colocated: 2 updates show the sync; groups: 3 show the lag
             m = [s.step().metrics for _ in range(2 if schedule.startswith("colocated") else UPDATES)]

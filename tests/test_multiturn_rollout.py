@@ -17,6 +17,8 @@ from distflow_lab.models.rollout_multiturn import MultiTurnRollout
 from distflow_lab.models.rollout_stream import HFStreamingRollout
 from distflow_lab.models.sequences import tokenize_prompts
 
+from .conftest import CALCULATOR_WARM_START
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 P, R = 8, 24
 PROMPTS = ["3+4=", "12*3=", "x", "99-9="]
@@ -167,7 +169,7 @@ def test_grpo_learns_to_call_the_calculator(ray_cluster, tmp_path, engine, calcu
 
     if engine == "vllm":
         pytest.importorskip("vllm") if not os.environ.get("CI") else __import__("vllm")
-    base = [f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out", f"rollout.engine={engine}",
+    base = [f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out", f"rollout.engine={engine}", CALCULATOR_WARM_START,
             "cluster.stage_timeout_s=300",  # the default model path: one cached warm start for both engines
             "rollout.multi_turn.options={max_calls: 2, latency: {median_ms: 20}}"]
     with pytest.raises(ConfigError, match=r"rollout.multi_turn: unknown environment 'calc'"):
@@ -193,6 +195,7 @@ def test_grpo_learns_to_call_the_calculator(ray_cluster, tmp_path, engine, calcu
 
 
 GROUPS = "groups={rollout: 1, train: 1}"
+EAGER = "rollout.vllm.enforce_eager=true"  # vLLM builds in ~5 s instead of ~20 (no torch.compile; tests/test_vllm.py compiles)
 ALGOS = {"grpo": [],
          "ppo": ["algorithm.name=ppo", "algorithm.adv_estimator=gae", "actor.use_kl_loss=false"],
          "gspo": ["algorithm.name=gspo", "actor.loss_agg_mode=seq-mean-token-mean", "actor.use_kl_loss=false"],
@@ -202,7 +205,7 @@ ALGOS = {"grpo": [],
 # rollouts on both engines (colocated sync: test_grpo_learns_to_call_the_calculator, GRPO on each engine)
 MT_CELLS = [("grpo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",  # vLLM: a sync
                                      "schedule.partial_rollout=true", "actor.off_policy=tis",  # preempts the turns
-                                     "rollout.engine=vllm"]),  # in flight; they resume under the new weights
+                                     "rollout.engine=vllm", EAGER]),  # in flight; they resume under the new weights
             ("ppo", "coordinator", [GROUPS, "schedule.kind=one_step_off", "actor.off_policy=tis"]),
             ("dapo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1"])]
 # (HF partial rollouts with trajectories across weight updates: test_partial_rollouts_carry_... above)
@@ -216,7 +219,7 @@ def test_multi_turn_under_every_algorithm_and_schedule(ray_cluster, tmp_path, ca
     the schedule's staleness bound holds, and the rollout group follows the training group's versions."""
     from distflow_lab.api.runner import load_run_config, open_session
 
-    base = [f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out", "data.prompts_per_step=4",
+    base = [f"data.cache_dir={tmp_path}/data", f"trainer.out_dir={tmp_path}/out", "data.prompts_per_step=4", CALCULATOR_WARM_START,
             "rollout.n=4", "rollout.log_probs=true", "cluster.stage_timeout_s=120"]
     for algo, plane, overrides in MT_CELLS:
         if "rollout.engine=vllm" in overrides and not os.environ.get("CI"):
@@ -274,7 +277,7 @@ def vllm_engine(tmp_path_factory, tok):
     model = build_tiny_qwen2(tok, seed=0)
     path = tmp_path_factory.mktemp("vllm-mt") / "m"
     save_model_dir(model, tok, path)
-    opts = RolloutOptions(n=1, max_response_len=48, log_probs=True, engine="vllm", vllm=VLLMOptions(block_size=32))
+    opts = RolloutOptions(n=1, max_response_len=48, log_probs=True, engine="vllm", vllm=VLLMOptions(block_size=32, enforce_eager=True))
     engine = VLLMRollout(str(path), tok, opts, P, dtype="float32", seed=0, sleep_at_start=False)
     yield model, engine
     engine.close()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from distflow_lab.algos.grpo import mismatch
-from distflow_lab.core.config import Optim, RolloutOptions, TinySpec
+from distflow_lab.core.config import Optim, RolloutOptions, TinySpec, VLLMOptions
 from distflow_lab.models.fsdp import TrainEngine
 from distflow_lab.models.model_dir import build_tiny_qwen2, save_model_dir
 from distflow_lab.models.rollout_hf import HFRollout
@@ -198,7 +198,8 @@ def test_sequences_in_flight_resume_across_a_weight_sync_with_the_new_weights(se
 @pytest.mark.full
 def test_close_then_a_bf16_engine_in_the_same_process_shows_a_real_mismatch(setup):
     setup["engine"].close()
-    e = VLLMRollout(str(setup["path"]), setup["tok"], opts(), P, dtype="bfloat16", seed=0, sleep_at_start=False)
+    eager = opts(vllm=VLLMOptions(enforce_eager=True))  # builds in ~5 s (the fixture's engine is compiled)
+    e = VLLMRollout(str(setup["path"]), setup["tok"], eager, P, dtype="bfloat16", seed=0, sleep_at_start=False)
     setup["engine"] = e  # the fixture closes this one
     got = e.generate(setup["ids"], setup["mask"], seed=0)
     trainer = TrainEngine(copy.deepcopy(setup["model"]), Optim(), device="cpu", use_fsdp=False)

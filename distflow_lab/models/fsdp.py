@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from distflow_lab.core.config import Optim
+from distflow_lab.models.buckets import buckets_of
 from distflow_lab.models.lora import adapter_name, is_lora
 from distflow_lab.models.token_ops import (LOSS_AGG_MODES, entropy_from_logits, log_probs_from_logits, loss_count,
                                            loss_sum)
@@ -498,17 +499,3 @@ class TrainEngine:
         if self.optimizer is not None and (directory / "optim.pt").is_file():
             set_optimizer_state_dict(self.model, self.optimizer, read("optim.pt"), options=opts)
 
-
-def buckets_of(items: Iterable[tuple[str, Tensor]], bucket_bytes: float) -> Iterator[list[tuple[str, Tensor]]]:
-    """(name, tensor) pairs grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""
-    bucket: list[tuple[str, Tensor]] = []
-    size = 0
-    for name, t in items:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket

@@ -42,7 +42,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayError
 
 from distflow_lab.core.errors import WeightSyncMismatch, WeightSyncTimeout
-from distflow_lab.models.fsdp import buckets_of
+from distflow_lab.models.buckets import buckets_of
 from distflow_lab.runtime.shm_slots import MAX_READERS, ShmBucket, SlotReader, SlotRing
 
 Bucket = list[tuple[str, torch.Tensor]]
