@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from distflow_lab.core.config import GENERATED_DATA, MODES
+from distflow_lab.core.config import GENERATED_DATA, MODES, SCHEDULES
 from distflow_lab.core.errors import FriendlyError
 
 
@@ -435,7 +435,7 @@ def parser() -> argparse.ArgumentParser:
 
     sk = sub.add_parser("soak", help="chaos soak: random real faults over a long run, recovered, books checked")
     sk.add_argument("--mode", type=modes_list(MODES), default=("distributed",), help="data plane(s), comma-separated")
-    sk.add_argument("--schedule", type=modes_list(("sync", "one_step_off", "async"), "schedule"), default=("sync",),
+    sk.add_argument("--schedule", type=modes_list(tuple(SCHEDULES), "schedule"), default=("sync",),
                     help="schedule(s), comma-separated (centralized runs sync only; others are skipped for it)")
     sk.add_argument("--engine", type=modes_list(("synthetic", "hf", "vllm"), "engine"), default=("synthetic",),
                     help="the synthetic DAG, or the tiny GRPO on the HF or vLLM engine")

@@ -40,7 +40,7 @@ timeout 330 "$(dirname "$PY")/distflow-lab" run tiny-cpu-grpo --steps 2 --out "$
   model.tiny.hidden_size=256 model.tiny.num_heads=4 model.tiny.num_kv_heads=2 model.tiny.intermediate_size=512 \
   data.prompts_per_step=16 rollout.engine=vllm rollout.n=4 rollout.tp="$NGPU" rollout.log_probs=true \
   rollout.vllm.enforce_eager=true rollout.vllm.gpu_memory_utilization=0.2 rollout.vllm.kv_cache_gib=1 \
-  rollout.vllm.weight_sync_bucket_mib=1 \
+  weight_sync.bucket_mib=1 \
   cluster.world_size="$NGPU" cluster.gpus_per_worker=1 cluster.cpus_per_worker=2 cluster.stage_timeout_s=600
 
 "$PY" - "$OUT" "$NGPU" <<'EOF'

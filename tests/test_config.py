@@ -146,6 +146,36 @@ def test_one_list_of_modes():
     assert next(a for a in run._actions if a.dest == "mode").choices == MODES
 
 
+def test_one_table_of_schedules():
+    """Every place that names or reasons about schedules reads SCHEDULES (core/config/session.py)."""
+    from typing import get_args
+
+    from distflow_lab.api.session import session_config
+    from distflow_lab.cli import parser
+    from distflow_lab.core.config import SCHEDULES, ScheduleName, ScheduleOptions, check_schedule
+    from distflow_lab.experiments.soak import check as soak_check
+
+    assert tuple(SCHEDULES) == get_args(ScheduleName) == ("sync", "one_step_off", "async")
+    assert "ScheduleName" in str(inspect.signature(session_config).parameters["schedule"].annotation)
+    soak = parser()._subparsers._group_actions[0].choices["soak"]
+    assert next(a for a in soak._actions if a.dest == "schedule").type("sync,async") == ("sync", "async")
+    for name, facts in SCHEDULES.items():
+        opts = ScheduleOptions(kind=name, **({"max_staleness": 3} if facts.partial_rollout else {}))
+        assert opts.staleness == facts.bound(3) == (3 if facts.staleness is None else facts.staleness)
+        if facts.needs_groups:
+            with pytest.raises(ConfigError, match=f"schedule {name!r} needs the coordinator or distributed"):
+                check_schedule("centralized", opts)
+            with pytest.raises(ConfigError, match=f"schedule {name!r} needs the coordinator or distributed"):
+                soak_check("centralized", name, "synthetic", 4, 2.0, 2)
+        else:
+            check_schedule("centralized", opts)
+        if not facts.partial_rollout:
+            with pytest.raises(ConfigError, match="partial rollouts run under schedule 'async' only"):
+                soak_check("coordinator", name, "synthetic", 4, 2.0, 2, partial_rollout=True)
+    with pytest.raises(ConfigError, match=r"soak: schedule 'later' is not one of \['sync', 'one_step_off', 'async'\]"):
+        soak_check("coordinator", "later", "synthetic", 4, 2.0, 2)
+
+
 def test_cli_checks_arguments_without_torch():
     code = ("import sys\nfrom distflow_lab.cli import main\n"
             "rc = main(['run', 'tiny-cpu-grpo', '--mode', 'coordinator', 'switches.num_buffers=2'])\n"

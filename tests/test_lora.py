@@ -75,3 +75,29 @@ def test_a_bad_target_or_a_half_sync_is_named(tok, base):
         list(merge.merged([("model.layers.0.mlp.up_proj.lora_A", torch.zeros(2, 64))]))
     with pytest.raises(ConfigError, match="holds no model.safetensors"):
         LoraMerge(model_dir.parent, LoraOptions())
+
+
+def test_one_worker_generates_with_the_peft_model_it_trains(tok, base):
+    """World size 1, HF, one dtype: the rollout generates with the actor's own PeftModel (no sync,
+    no merge), so what it samples and scores is the adapted policy after every update."""
+    from types import SimpleNamespace
+
+    from distflow_lab.algos.engine_setup import setup_engines
+    from distflow_lab.algos.registry import load_run_config
+    from distflow_lab.models.sequences import tokenize_prompts
+
+    model, model_dir = base
+    cfg = load_run_config("tiny-cpu-grpo", [f"model.path={model_dir}", "model.warm_start.steps=0",
+                                            "cluster.world_size=1", "actor.lora={rank: 4, alpha: 8}",
+                                            f"rollout.max_response_len={R}", "rollout.log_probs=true"])
+    e = setup_engines(SimpleNamespace(groups={}, roles=frozenset({"rollout", "actor", "reference"})), cfg)
+    assert e.policy.shared and e.lora is None and e.rollout.model is e.actor.model  # the PeftModel itself
+    ids, mask, _ = tokenize_prompts(tok, ["1+1=", "2+3="], P)
+    batch, _ = build_sft_batch(tok, ["1+1=", "2+3="] * 4, ["2", "5"] * 4, P, R)
+    before = log_probs(copy.deepcopy(e.actor.model), batch)
+    for _ in range(4):
+        e.actor.train_step(batch, sft_loss_fn)
+    cols = e.rollout.generate(ids, mask, seed=0)
+    assert cols["responses"].shape[0] == 2 * cfg.rollout.n
+    assert (log_probs(e.rollout.model, batch) - before).abs().max() > 1e-3  # generates with the trained adapters
+    assert all(".lora_" in n for n, p in e.actor.model.named_parameters() if p.requires_grad)

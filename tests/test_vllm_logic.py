@@ -325,8 +325,8 @@ def test_sync_weights_streams_and_records_a_span(tok, model):
     actor = TrainEngine(build_tiny_qwen2(tok, seed=4), Optim(), device="cpu")
     loader = LoaderModel(copy.deepcopy(model))
     llm = FakeLLM(loader, script)
-    ro = VLLMRollout.attach(FAKE_VLLM, llm, tok, vllm_opts(n=1, vllm={"weight_sync_bucket_mib": 1}), P, dtype="float32",
-                            cpu=False)
+    ro = VLLMRollout.attach(FAKE_VLLM, llm, tok, vllm_opts(n=1), P, dtype="float32", cpu=False)
+    ro.bucket_bytes = 1 << 20  # as engine_setup sets it from weight_sync.bucket_mib=1
     rec = SpanRecorder(0, "local")
     ctx = SimpleNamespace(engines=RLEngines(tok, None, Policy(shared=False), actor=actor, rollout=ro),
                           span=lambda phase, **c: rec.span(0, "rollout", phase, **c))
@@ -349,7 +349,8 @@ def test_setup_engines_passes_run_settings_and_hangs_sleep_on_the_trainers(tok, 
     from distflow_lab.models.model_dir import save_model_dir
 
     save_model_dir(model, tok, tmp_path / "m")
-    cfg = parse_run_config("tiny-cpu-grpo", [f"model.path={tmp_path / 'm'}", "cluster.world_size=1", "seed=3"])
+    cfg = parse_run_config("tiny-cpu-grpo", [f"model.path={tmp_path / 'm'}", "cluster.world_size=1", "seed=3",
+                                             "weight_sync.bucket_mib=7"])
     cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": "vllm"})})  # as on a GPU
     got = {}
 
@@ -365,6 +366,7 @@ def test_setup_engines_passes_run_settings_and_hangs_sleep_on_the_trainers(tok, 
     sleep = engines.rollout.sleep
     assert engines.actor.before_compute == [sleep] and engines.ref.before_compute == [sleep]
     assert not engines.policy.shared
+    assert engines.rollout.bucket_bytes == 7 << 20  # one bucket size for every sync, colocated ones too
 
 
 def test_external_launcher_env_single_process(monkeypatch):
@@ -379,6 +381,11 @@ def test_external_launcher_env_single_process(monkeypatch):
 
 
 # ---------------------------------------------------------------- config errors
+def test_the_old_vllm_bucket_key_names_its_new_place():
+    with pytest.raises(ConfigError, match=r"rollout.vllm.weight_sync_bucket_mib is now weight_sync.bucket_mib"):
+        parse_run_config("tiny-cpu-grpo", ["rollout.vllm.weight_sync_bucket_mib=512"])
+
+
 def test_greedy_with_n_above_one_and_temperature_above_two_are_config_errors():
     with pytest.raises(ConfigError, match=r"n=8 with do_sample=false"):
         parse_run_config("tiny-cpu-grpo", ["rollout.do_sample=false"])

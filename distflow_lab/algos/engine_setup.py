@@ -140,6 +140,7 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
         vllm_args = {} if hf else {"dtype": gen_dtype, "seed": cfg.seed, "sleep_at_start": trains}
         e.rollout = make_rollout(gen_model.eval() if gen_model is not None else None, tokenizer, cfg.rollout,
                                  cfg.data.max_prompt_len, model_path=cfg.model.path, **vllm_args)
+        e.rollout.bucket_bytes = cfg.session.weight_sync.bucket_mib << 20  # one bucket size for every sync
         if e.rollout.sleeps:  # vLLM beside FSDP2: it sleeps whenever a trainer computes
             for trainer in (e.actor, e.ref, e.critic):
                 if trainer is not None:

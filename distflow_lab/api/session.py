@@ -24,7 +24,7 @@ import torch
 
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, ConfigError, Mode,
-                                      ProfileOptions, RunConfig, ScheduleOptions, SessionConfig, Switches,
+                                      ProfileOptions, RunConfig, ScheduleName, ScheduleOptions, SessionConfig, Switches,
                                       check_schedule, check_switches, load_model)
 from distflow_lab.dataplane.centralized import CentralizedPlane
 from distflow_lab.dataplane.coordinator import CoordinatorPlane
@@ -52,7 +52,7 @@ def session_config(base: SessionConfig | dict | None = None, *,
                    balance: Balance | str | None = None, num_buffers: int | str | None = None,
                    rows_per_object: int | None = None,
                    # schedule
-                   schedule: Literal["sync", "one_step_off", "async"] | None = None,
+                   schedule: ScheduleName | None = None,
                    max_staleness: int | None = None, partial_rollout: bool | None = None,
                    on_stale: Literal["drop", "regenerate"] | None = None,
                    # observation

@@ -60,7 +60,7 @@ import numpy as np
 import pandas as pd
 from pydantic import ValidationError
 
-from distflow_lab.core.config import ScheduleOptions
+from distflow_lab.core.config import SCHEDULES, ScheduleOptions
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.core.spans import DRIVER, NESTED_PHASES
 
@@ -128,9 +128,10 @@ def parse_schedule(x: Any) -> ScheduleSpec:
             err = e.errors()[0]
             where = ".".join(map(str, err["loc"])) or "schedule"
             what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            raise ConfigError(f"schedule {x!r}: {where}: {what} (kinds: sync, one_step_off, async; async options: "
+            raise ConfigError(f"schedule {x!r}: {where}: {what} (kinds: {', '.join(SCHEDULES)}; async options: "
                               f"max_staleness, partial_rollout, on_stale)") from None
-    return ScheduleSpec(opts.kind, opts.staleness, opts.kind == "async" and opts.partial_rollout, opts.on_stale)
+    return ScheduleSpec(opts.kind, opts.staleness, SCHEDULES[opts.kind].partial_rollout and opts.partial_rollout,
+                        opts.on_stale)
 
 
 def parse_schedules(schedule: Any) -> list[ScheduleSpec]:

@@ -45,14 +45,13 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from distflow_lab.core.config import ConfigError
+from distflow_lab.core.config import SCHEDULES, ConfigError, ScheduleOptions, check_schedule
 from distflow_lab.core.errors import FriendlyError
 from distflow_lab.runtime import faults as chaos
 from distflow_lab.runtime.checkpoint_files import latest_checkpoint
 
 KINDS = ("worker", "engine", "buffer", "coordinator", "board", "checkpoint", "sync_corrupt", "sync_publisher")
 ENGINES = ("synthetic", "hf", "vllm")
-SCHEDULES = ("sync", "one_step_off", "async")
 # metrics that follow the clock, not the data: left out of the comparison with the undisturbed run
 TIMING = re.compile(r"idle|queued|time|seconds|throughput|per_s|_s$|_s/|rss|memory|weight_sync")
 
@@ -430,9 +429,10 @@ def soak(mode: str = "distributed", schedule: str = "sync", engine: str = "synth
          partial_rollout: bool = False) -> SoakReport:
     """A chaos soak of one configuration (see the module's docstring); returns its report."""
     check(mode, schedule, engine, steps, fault_every, checkpoint_every, partial_rollout)
-    k = {"sync": 0, "one_step_off": 1}.get(schedule, max_staleness)
-    r = SoakReport(mode, schedule, engine, steps, fault_every, seed, k,
-                   deterministic=(schedule in ("sync", "one_step_off") or k == 0) and not partial_rollout)
+    facts = SCHEDULES[schedule]
+    k = facts.bound(max_staleness)
+    r = SoakReport(mode, schedule, engine, steps, fault_every, seed, k,  # a fixed bound (or k = 0): sync order
+                   deterministic=(facts.staleness is not None or k == 0) and not partial_rollout)
     base_dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="soak-"))
     t0 = time.time()
     runs = [("undisturbed", 0.0)] if compare_undisturbed else []
@@ -474,9 +474,8 @@ def check(mode: str, schedule: str, engine: str, steps: int, fault_every: float,
         raise ConfigError(f"soak: schedule {schedule!r} is not one of {list(SCHEDULES)}")
     if engine not in ENGINES:
         raise ConfigError(f"soak: engine {engine!r} is not one of {list(ENGINES)}")
-    if schedule != "sync" and mode == "centralized":
-        raise ConfigError(f"soak: schedule {schedule!r} needs the coordinator or distributed data plane")
-    if partial_rollout and schedule != "async":
+    check_schedule(mode, ScheduleOptions(kind=schedule))  # the centralized plane cannot overlap steps
+    if partial_rollout and not SCHEDULES[schedule].partial_rollout:
         raise ConfigError(f"soak: partial rollouts run under schedule 'async' only, not {schedule!r}")
     if steps < 2 or checkpoint_every < 1 or fault_every < 0:
         raise ConfigError(f"soak: steps must be >= 2 (got {steps}), checkpoint_every >= 1 (got {checkpoint_every}), "

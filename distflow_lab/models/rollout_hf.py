@@ -25,7 +25,7 @@ class HFRollout:
     """
 
     sleeps = needs_weights = False  # `rollout.RolloutEngine`: it keeps its weights in memory
-    bucket_bytes = 256 << 20  # a colocated sync holds this much of the gathered actor at once
+    bucket_bytes = 256 << 20  # a colocated sync's largest bucket; engine_setup sets weight_sync.bucket_mib
     weight_dtype = None  # copy_ converts
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,

@@ -5,6 +5,7 @@ A plain session (`lab.session`) takes a `SessionConfig`; an RL run's `RunConfig`
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args
 
 from pydantic import Field, model_validator
@@ -101,12 +102,41 @@ class ClusterOptions(Strict):
     """Start new worker processes, and kill them at close, instead of taking parked ones from the worker pool and parking them again (runtime/worker_pool.py)."""
 
 
+ScheduleName = Literal["sync", "one_step_off", "async"]
+"""The schedules (the one list: `SCHEDULES` holds each one's facts, in this order)."""
+
+
+@dataclass(frozen=True)
+class ScheduleFacts:
+    """What the rest of the lab needs to know about a schedule, read from here by config checks, the
+    API, the CLI and the soak."""
+
+    name: str
+    staleness: int | None
+    """The fixed staleness bound; None: the run's `max_staleness` (async)."""
+    needs_groups: bool
+    """Overlaps steps, so it needs two worker groups and a plane that runs them (not centralized)."""
+    partial_rollout: bool
+    """Takes `partial_rollout` (and the async-only options)."""
+
+    def bound(self, max_staleness: int) -> int:
+        """The staleness this schedule keeps, given the run's `max_staleness`."""
+        return max_staleness if self.staleness is None else self.staleness
+
+
+SCHEDULES: dict[str, ScheduleFacts] = {f.name: f for f in (
+    ScheduleFacts("sync", 0, needs_groups=False, partial_rollout=False),
+    ScheduleFacts("one_step_off", 1, needs_groups=True, partial_rollout=False),
+    ScheduleFacts("async", None, needs_groups=True, partial_rollout=True))}
+assert tuple(SCHEDULES) == get_args(ScheduleName)
+
+
 class ScheduleOptions(Strict):
     """How steps overlap. sync: every stage of a step, then the next (DistFlow, the paper).
     one_step_off: generation of step t+1 runs beside training of step t on disjoint worker
     groups. async: generation runs ahead continuously, up to `max_staleness` policy versions."""
 
-    kind: Literal["sync", "one_step_off", "async"] = "sync"
+    kind: ScheduleName = "sync"
     """The schedule."""
     max_staleness: int = Field(default=1, ge=0)
     """async: no trained sample comes from a policy more than this many versions old (0: sync order)."""
@@ -117,22 +147,24 @@ class ScheduleOptions(Strict):
 
     @model_validator(mode="after")
     def _coherent(self) -> "ScheduleOptions":
-        if self.kind != "async":
+        if not SCHEDULES[self.kind].partial_rollout:
             extra = sorted(self.model_fields_set & {"max_staleness", "partial_rollout", "on_stale"})
             if extra:
-                raise ValueError(f"{extra[0]} has no meaning for schedule {self.kind!r} (only for 'async')")
+                takes = [n for n, f in SCHEDULES.items() if f.partial_rollout]
+                raise ValueError(f"{extra[0]} has no meaning for schedule {self.kind!r} (only for "
+                                 f"{', '.join(map(repr, takes))})")
         return self
 
     @property
     def staleness(self) -> int:
         """The bound the schedule keeps: 0 for sync, 1 for one_step_off, max_staleness for async."""
-        return {"sync": 0, "one_step_off": 1}.get(self.kind, self.max_staleness)
+        return SCHEDULES[self.kind].bound(self.max_staleness)
 
 
 class WeightSyncOptions(Strict):
-    """Weight sync between worker groups (runtime/weight_transport.py): the training group's
-    rank 0 writes the policy in buckets, each rollout worker reads and checks every tensor.
-    (Colocated syncs use the rollout engine's buckets: rollout.vllm.weight_sync_bucket_mib.)"""
+    """Weight sync. Between worker groups (runtime/weight_transport.py): the training group's rank 0
+    writes the policy in buckets, each rollout worker reads and checks every tensor. Colocated
+    (algos/engine_setup.py, sync_weights): the actor's gathered buckets go straight into the engine."""
 
     transport: Literal["auto", "shm", "object_store"] = "auto"
     """Where the buckets go: "shm", the publisher's own shared memory rewritten in place (one node;
@@ -140,8 +172,8 @@ class WeightSyncOptions(Strict):
     one node."""
 
     bucket_mib: int = Field(default=256, ge=1)
-    """Largest bucket (one object-store object, or one shared-memory segment) in MiB; a larger single tensor
-    goes alone. Fewer, larger buckets write faster into the object store
+    """Largest bucket in MiB (between groups: one object-store object or one shared-memory segment;
+    colocated: what the actor gathers and the engine loads at a time); a larger single tensor goes alone. Fewer, larger buckets write faster into the object store
     (benchmarks/probes/weight_sync_object_store.py: 256 MiB at 0.50x memcpy, 64 MiB at 0.08x)."""
     timeout_s: float = Field(default=60.0, gt=0)
     """A sync (or a call to the WeightBoard) that takes longer is WeightSyncTimeout / WeightBoardLost, never a hang."""
@@ -161,7 +193,7 @@ class ProfileOptions(Strict):
 def check_schedule(mode: str, schedule: ScheduleOptions, groups: Mapping[str, int] | None = None) -> None:
     """The centralized plane moves every batch through the driver stage by stage: it cannot overlap
     steps, nor run a worker group's stages back to back on its workers (what groups do)."""
-    if schedule.kind != "sync" and mode == "centralized":
+    if SCHEDULES[schedule.kind].needs_groups and mode == "centralized":
         raise ConfigError(f"schedule {schedule.kind!r} needs the coordinator or distributed data plane; mode "
                           "'centralized' moves every batch through the driver, stage by stage, one step at a time")
     if groups and mode == "centralized":
@@ -179,8 +211,9 @@ def check_groups(groups: Mapping[str, int] | None, *, world_size: int | None = N
     together exactly `world_size` workers when that is known. `where` names what holds the groups,
     `world_size_key` the setting the user wrote for the worker count; `error` is the type raised."""
     at = f"{where}: " if where else ""
+    overlaps = SCHEDULES[schedule].needs_groups
     if not groups:
-        if schedule != "sync":
+        if overlaps:
             raise error(f"schedule {schedule!r} needs a DAG on two worker groups (generation, then training): "
                         "dag.with_groups(rollout=..., train=...), or in a run config `groups: {rollout: 1, train: 1}`"
                         + (f" ({where}: none)" if where else ""))
@@ -188,8 +221,8 @@ def check_groups(groups: Mapping[str, int] | None, *, world_size: int | None = N
     bad = {k: v for k, v in groups.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
         raise error(f"{at}group sizes must be positive integers, got {bad}")
-    if (pair or schedule != "sync") and len(groups) != 2:
-        why = f"schedule {schedule!r} needs" if schedule != "sync" else "the generation and training stages need"
+    if (pair or overlaps) and len(groups) != 2:
+        why = f"schedule {schedule!r} needs" if overlaps else "the generation and training stages need"
         raise error(f"{at}{why} two worker groups (generation, then training), got {len(groups)}: {dict(groups)}")
     if world_size is not None and sum(groups.values()) != world_size:
         raise error(f"{at}worker groups {dict(groups)} hold {sum(groups.values())} workers but "
