@@ -114,6 +114,7 @@ def grpo_model() -> str:
     return _prepared("tiny-cpu-grpo")
 
 
+VLLM_EAGER = "rollout.vllm.enforce_eager=true"  # a test engine builds in ~5 s, not ~16 (tests/test_vllm.py compiles)
 CALCULATOR_WARM_START = "model.warm_start.steps=1000"  # the preset's 1,500 take ~50 s; 1,000 (~35 s) learn as clearly
 
 

@@ -13,6 +13,8 @@ from distflow_lab.core.errors import ConfigError
 from distflow_lab.experiments.schedule_consistency import compare, tiny_config
 from distflow_lab.runtime.worker_pool import POOL
 
+from .conftest import VLLM_EAGER
+
 # preset, extra overrides: every algorithm and every estimator a preset allows. GSPO trains LoRA adapters
 # (models/lora.py: a sync sends the adapters, the rollout merges them): LoRA meets every plane, schedule and
 # engine through GSPO's cells, full fine-tuning through the others (the loss and the update are the same
@@ -176,7 +178,7 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
     engine would never join)."""
     preset, extra = ALGORITHMS[algo]
     for schedule, plane, overrides in VLLM_CELLS[algo]:
-        cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm", "rollout.vllm.enforce_eager=true"])
+        cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}", "rollout.engine=vllm", VLLM_EAGER])
         refused = POOL.stats.refused
         with open_session(cfg, progress=False) as s:  # colocated: 2 updates show the sync; groups: 3 show the lag
             m = [s.step().metrics for _ in range(2 if schedule.startswith("colocated") else UPDATES)]

@@ -17,7 +17,7 @@ from distflow_lab.models.rollout_multiturn import MultiTurnRollout
 from distflow_lab.models.rollout_stream import HFStreamingRollout
 from distflow_lab.models.sequences import tokenize_prompts
 
-from .conftest import CALCULATOR_WARM_START
+from .conftest import CALCULATOR_WARM_START, VLLM_EAGER
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 P, R = 8, 24
@@ -195,7 +195,6 @@ def test_grpo_learns_to_call_the_calculator(ray_cluster, tmp_path, engine, calcu
 
 
 GROUPS = "groups={rollout: 1, train: 1}"
-EAGER = "rollout.vllm.enforce_eager=true"  # vLLM builds in ~5 s instead of ~20 (no torch.compile; tests/test_vllm.py compiles)
 ALGOS = {"grpo": [],
          "ppo": ["algorithm.name=ppo", "algorithm.adv_estimator=gae", "actor.use_kl_loss=false"],
          "gspo": ["algorithm.name=gspo", "actor.loss_agg_mode=seq-mean-token-mean", "actor.use_kl_loss=false"],
@@ -205,7 +204,7 @@ ALGOS = {"grpo": [],
 # rollouts on both engines (colocated sync: test_grpo_learns_to_call_the_calculator, GRPO on each engine)
 MT_CELLS = [("grpo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",  # vLLM: a sync
                                      "schedule.partial_rollout=true", "actor.off_policy=tis",  # preempts the turns
-                                     "rollout.engine=vllm", EAGER]),  # in flight; they resume under the new weights
+                                     "rollout.engine=vllm", VLLM_EAGER]),  # in flight; they resume under the new weights
             ("ppo", "coordinator", [GROUPS, "schedule.kind=one_step_off", "actor.off_policy=tis"]),
             ("dapo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1"])]
 # (HF partial rollouts with trajectories across weight updates: test_partial_rollouts_carry_... above)

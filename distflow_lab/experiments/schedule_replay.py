@@ -130,8 +130,7 @@ def parse_schedule(x: Any) -> ScheduleSpec:
             what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             raise ConfigError(f"schedule {x!r}: {where}: {what} (kinds: {', '.join(SCHEDULES)}; async options: "
                               f"max_staleness, partial_rollout, on_stale)") from None
-    return ScheduleSpec(opts.kind, opts.staleness, SCHEDULES[opts.kind].partial_rollout and opts.partial_rollout,
-                        opts.on_stale)
+    return ScheduleSpec(opts.kind, opts.staleness, opts.partial_rollout, opts.on_stale)
 
 
 def parse_schedules(schedule: Any) -> list[ScheduleSpec]:

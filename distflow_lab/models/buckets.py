@@ -8,6 +8,10 @@ from collections.abc import Iterable, Iterator
 
 from torch import Tensor
 
+from distflow_lab.core.config.session import WeightSyncOptions
+
+DEFAULT_BUCKET_BYTES = WeightSyncOptions().bucket_mib << 20  # weight_sync.bucket_mib's default; sessions set theirs
+
 
 def buckets_of(items: Iterable[tuple[str, Tensor]], bucket_bytes: float) -> Iterator[list[tuple[str, Tensor]]]:
     """(name, tensor) pairs grouped into buckets of at most `bucket_bytes` (a larger tensor alone)."""

@@ -13,6 +13,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from distflow_lab.core.config import RolloutOptions
 from distflow_lab.core.errors import WeightSyncMismatch
+from distflow_lab.models.buckets import DEFAULT_BUCKET_BYTES
 from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
 
 
@@ -25,7 +26,7 @@ class HFRollout:
     """
 
     sleeps = needs_weights = False  # `rollout.RolloutEngine`: it keeps its weights in memory
-    bucket_bytes = 256 << 20  # a colocated sync's largest bucket; engine_setup sets weight_sync.bucket_mib
+    bucket_bytes = DEFAULT_BUCKET_BYTES  # a colocated sync's largest bucket; engine_setup sets weight_sync.bucket_mib
     weight_dtype = None  # copy_ converts
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, opts: RolloutOptions,

@@ -85,6 +85,7 @@ from transformers import PreTrainedTokenizerBase
 
 from distflow_lab.core.config import RolloutOptions
 from distflow_lab.core.errors import ConfigError, StageError, WeightSyncMismatch
+from distflow_lab.models.buckets import DEFAULT_BUCKET_BYTES
 from distflow_lab.models.model_dir import checkpoint_tensors
 from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
 
@@ -346,7 +347,7 @@ class VLLMRollout:
         if self.eos_id is None or self.pad_id is None:
             raise ValueError("tokenizer needs both an eos and a pad token")
         self.weight_dtype = getattr(torch, dtype)  # buckets are cast to vLLM's dtype before they are sent
-        self.bucket_bytes = 256 << 20  # a colocated sync's largest bucket; engine_setup sets weight_sync.bucket_mib
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES  # a colocated sync's largest bucket; engine_setup sets weight_sync.bucket_mib
         self.needs_weights = False  # True after a level-2 sleep: generate refuses until load_weights
         cpu = on_cpu() if cpu is None else cpu
         self.sleeps = opts.vllm.enable_sleep_mode and not cpu  # sleep is hung on the trainers (engine_setup)

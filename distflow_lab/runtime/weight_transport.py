@@ -42,7 +42,7 @@ import torch
 from ray.exceptions import GetTimeoutError, RayError
 
 from distflow_lab.core.errors import WeightSyncMismatch, WeightSyncTimeout
-from distflow_lab.models.buckets import buckets_of
+from distflow_lab.models.buckets import DEFAULT_BUCKET_BYTES, buckets_of
 from distflow_lab.runtime.shm_slots import MAX_READERS, ShmBucket, SlotReader, SlotRing
 
 Bucket = list[tuple[str, torch.Tensor]]
@@ -288,6 +288,6 @@ def read_state(manifest: Manifest, deadline_s: float = 60.0, reader: SlotReader 
     return {name: t.clone() for name, t in receive(manifest, deadline_s, reader=reader)}
 
 
-def publish_state(state: dict[str, torch.Tensor], version: int, bucket_bytes: int = 256 << 20) -> Manifest:
+def publish_state(state: dict[str, torch.Tensor], version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
     """A state dict (a checkpoint's policy) back onto the object store."""
     return publish(buckets_of(state.items(), bucket_bytes), version)
