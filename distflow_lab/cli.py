@@ -231,7 +231,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     elif a.which == "weight-sync":
         from distflow_lab.experiments.bench import weight_sync
 
-        weight_sync.run(list(a.models), list(a.dtypes), list(a.paths), a.repeats, a.bucket_mib, a.json, a.engine)
+        weight_sync.run(list(a.models), list(a.dtypes), list(a.paths), a.repeats, a.bucket_mib, a.json, a.engine,
+                        tuple(a.loads))
     elif a.which == "microbatch":
         from distflow_lab.experiments.bench import microbatch
 
@@ -426,6 +427,8 @@ def parser() -> argparse.ArgumentParser:
                     help="shm / groups: worker groups through shared memory / the object store")
     ws.add_argument("--engine", type=modes_list(("hf", "vllm"), "engine"), default=("hf",),
                     help="the reader's rollout engine(s); vllm: the shm and groups paths")
+    ws.add_argument("--loads", type=modes_list(("copy", "map"), "load"), default=("copy", "map"),
+                    help="HF reader, shm and groups: copy into its weights, or map them (weight_sync.load)")
     ws.add_argument("--repeats", type=positive, default=3, help="syncs per cell after one warm-up")
     ws.add_argument("--bucket-mib", type=positive, default=256, help="worker groups' bucket size")
     for p in (d, bl, s, m, e, co, cl, asy, mb, so, pe, mx, ws):

@@ -247,3 +247,13 @@ def test_lineage_of_a_prompt_group():
 
     b = Batch({}, {"uid": np.array(["p1", "p2", "p1"], dtype=object), "item_id": np.array([3, 4, 5])})
     assert uid_item_ids([b, Batch({}, {"other": np.array([1])})], "p1") == {3, 5}
+
+
+@pytest.mark.parametrize("override, why", [("rollout.engine=vllm", "rollout.engine=vllm processes the weights"),
+                                           ("actor.lora={rank: 2}", "a LoRA policy is merged")])
+def test_a_mapped_load_needs_an_hf_rollout_of_the_full_policy(override, why):
+    from distflow_lab.algos.registry import load_run_config
+
+    load_run_config("tiny-cpu-grpo", ["weight_sync.load=map"]).check_sizes()
+    with pytest.raises(ConfigError, match=f"weight_sync.load=map needs an HF rollout of the full policy: {why}"):
+        load_run_config("tiny-cpu-grpo", ["weight_sync.load=map", override]).check_sizes()

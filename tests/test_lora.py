@@ -11,6 +11,7 @@ from distflow_lab.core.config import Optim as OptimConfig
 from distflow_lab.core.config import RolloutOptions
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.models.fsdp import TrainEngine, sft_loss_fn
+from distflow_lab.experiments.base_eval import load_trained_policy
 from distflow_lab.models.lora import LoraMerge, apply_lora
 from distflow_lab.models.model_dir import build_tiny_qwen2, save_model_dir
 from distflow_lab.models.rollout_hf import HFRollout
@@ -34,7 +35,7 @@ def log_probs(engine_or_model, batch):
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "down_proj"]])
-def test_adapters_train_alone_and_the_rollouts_merge_is_the_trained_policy(tok, base, targets):
+def test_adapters_train_alone_and_the_rollouts_merge_is_the_trained_policy(tok, base, targets, tmp_path):
     model, model_dir = base
     opts = LoraOptions(rank=4, alpha=8, target_modules=targets)
     policy = TrainEngine(apply_lora(copy.deepcopy(model), opts), OptimConfig(lr=1e-2), device="cpu")
@@ -64,6 +65,13 @@ def test_adapters_train_alone_and_the_rollouts_merge_is_the_trained_policy(tok, 
     assert (got - want).abs().max() < 1e-5  # the merge is the trained policy
     assert (log_probs(copy.deepcopy(model), batch) - want).abs().max() > 1e-3  # which moved away from W0
     assert [n for b in merge.merged(iter(adapters), everything=True) for n, _ in b] == merge.order  # a refill: all
+
+    policy.save(tmp_path / "actor")  # the run's checkpoint, scored by the evaluation: merged on load
+    with pytest.raises(ValueError, match="holds LoRA adapters"):
+        load_trained_policy(copy.deepcopy(model), tmp_path)
+    scored = copy.deepcopy(model)
+    load_trained_policy(scored, tmp_path, opts)
+    assert (log_probs(scored, batch) - want).abs().max() < 1e-5
 
 
 def test_a_bad_target_or_a_half_sync_is_named(tok, base):

@@ -175,6 +175,40 @@ def test_a_rewritten_slot_and_a_reader_that_never_lets_go_are_named_timeouts(pol
         successor.close()
 
 
+def test_a_mapped_rollout_computes_from_the_slot_it_keeps_until_the_next_version(policy):
+    """weight_sync.load "map": the HF rollout's parameters become the slot's views (tied weights
+    stay one parameter), the slot is held while the rollout computes from it and let go when it
+    keeps the next version, and a reader that died holding one is cleared by its successor."""
+    import numpy as np
+
+    engine, tok = policy
+    ring = SlotRing(2)
+    try:
+        rollout = HFRollout(build_tiny_qwen2(tok, TinySpec(), seed=9), tok, RolloutOptions(n=1), 8)
+        reader = SlotReader(3)
+
+        def load(m: Manifest) -> None:
+            check_loaded(m, rollout.load_weights(([p] for p in receive(m, 5.0, reader=reader, keep=True)), bind=True))
+
+        v1, v2 = _publish(engine, version=1, ring=ring), _publish(engine, version=2, ring=ring)
+        load(v1)
+        state = engine.model.state_dict()
+        assert all(torch.equal(rollout.model.state_dict()[k], v) for k, v in state.items())
+        segments = [(a := np.frombuffer(seg.buf, np.uint8).ctypes.data, a + seg.size) for seg in reader.maps.values()]
+        ptrs = [p.data_ptr() for p in rollout.model.parameters()]
+        assert all(any(lo <= ptr < hi for lo, hi in segments) for ptr in ptrs)  # no copy: views of the slot
+        assert rollout.model.lm_head.weight is rollout.model.model.embed_tokens.weight
+        with pytest.raises(WeightSyncTimeout, match=r"policy v3: reader 3 still reads policy v1 from slot 1"):
+            _publish(engine, version=3, ring=ring, deadline_s=0.3)  # v1's slot: the rollout computes from it
+        load(v2)
+        v3 = _publish(engine, version=3, ring=ring, deadline_s=0.3)  # let go of v1 on keeping v2
+        reborn = SlotReader(3)  # rank 3 died holding v2 (slot 0); its successor's first read clears the mark
+        assert set(dict(receive(v3, 5.0, reader=reborn))) == v3.names
+        _publish(engine, version=4, ring=ring, deadline_s=0.3)
+    finally:
+        ring.close()
+
+
 def test_groups_send_the_policy_in_the_rollouts_dtype_and_every_sync_is_a_row(ray_cluster, tmp_path):
     """A real GRPO run on worker groups with a bfloat16 rollout beside a float32 trainer: the policy
     travels in bfloat16 (what the rollout holds anyway: half the bytes), tied embedding once, and
@@ -195,6 +229,7 @@ def test_groups_send_the_policy_in_the_rollouts_dtype_and_every_sync_is_a_row(ra
     assert len(pub) == 2 and (pub.bytes == bf16).all(), (pub.bytes.tolist(), bf16)
     assert len(pull) >= 1 and (pull.bytes == bf16).all() and (pull.load_s > 0).all()
     assert set(syncs.transport) == {"shm"}  # one node: the publisher's shared memory (weight_sync.transport auto)
+    assert set(pull.load) == {"map"}  # an HF rollout computes from the slot (weight_sync.load auto)
     assert m[0]["rollout/logprob_diff_max"] > 1e-4  # a real bf16 rollout against the fp32 trainer
 
 
@@ -204,10 +239,12 @@ def test_bench_weight_sync_reports_every_path_against_memcpy(ray_cluster, tmp_pa
     from distflow_lab.experiments.bench import weight_sync
 
     out = tmp_path / "ws.json"
-    weight_sync.run(["tiny"], ["float32", "bfloat16"], list(weight_sync.PATHS), repeats=1, json_path=str(out))
+    weight_sync.run(["tiny"], ["float32", "bfloat16"], list(weight_sync.PATHS), repeats=1, json_path=str(out),
+                    loads=weight_sync.LOADS)
     rows = json.loads(out.read_text())
-    assert {(r["dtype"], r["path"]) for r in rows} == {(d, p) for d in ("float32", "bfloat16")
-                                                        for p in weight_sync.PATHS}
+    assert {(r["dtype"], r["path"], r["load"]) for r in rows} == {
+        (d, p, load) for d in ("float32", "bfloat16") for p in weight_sync.PATHS
+        for load in (weight_sync.LOADS if p in ("shm", "groups") else ("copy",))}
     for r in rows:
         assert r["gbps"]["median"] > 0 and r["x_memcpy"] > 0 and r["memcpy_gbps"] > 0, r
     groups = [r for r in rows if r["path"] == "groups"]

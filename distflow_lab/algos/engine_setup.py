@@ -150,7 +150,8 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
     if trains and not generates:  # sent in the rollout's dtype: what it will hold anyway (bf16: half the bytes)
         e.weights = ActorWeights(e.actor, e.policy, None if same else getattr(torch, gen_dtype), cfg.actor.lora is not None)
     elif generates and not trains:
-        e.weights = RolloutWeights(e.rollout, e.policy, gen_model, e.lora)
+        binds = cfg.session.weight_sync.load != "copy" and hf and e.lora is None  # "auto": map where it can
+        e.weights = RolloutWeights(e.rollout, e.policy, gen_model, e.lora, binds)
     return e
 
 
@@ -161,7 +162,7 @@ class ActorWeights:
 
     def __init__(self, actor: TrainEngine, policy: Policy, dtype: torch.dtype | None = None, lora: bool = False) -> None:
         self.actor, self.policy, self.dtype, self.lora = actor, policy, dtype, lora
-        self.mode = "lora" if lora else "full"
+        self.mode, self.binds = "lora" if lora else "full", False
 
     @property
     def version(self) -> int:
@@ -187,11 +188,12 @@ class ActorWeights:
 
 class RolloutWeights:
     """The generation side (`PolicyWeights`): a published policy goes into the rollout engine
-    (each checked view copied once, into the engine's own weights) and becomes this worker's version."""
+    (each checked view copied once, into the engine's own weights; or, `binds`, an HF rollout's
+    parameters become the views: weight_sync.load "map") and becomes this worker's version."""
 
     def __init__(self, rollout: RolloutEngine, policy: Policy, model: torch.nn.Module | None,
-                 lora: LoraMerge | None = None) -> None:
-        self.rollout, self.policy, self.lora = rollout, policy, lora
+                 lora: LoraMerge | None = None, binds: bool = False) -> None:
+        self.rollout, self.policy, self.lora, self.binds = rollout, policy, lora, binds
         self.mode = "lora" if lora is not None else "full"
         self._sum = state_checksum(model.state_dict()) if model is not None else 0.0
 
@@ -213,7 +215,10 @@ class RolloutWeights:
                 loaded.add(name)
                 yield name, t
 
-        load_policy(self.rollout, noted(), self.lora)
+        if self.binds:  # an HF rollout (the config allows nothing else): its parameters become the views
+            self.rollout.load_weights(([nt] for nt in noted()), bind=True)  # type: ignore[call-arg]
+        else:
+            load_policy(self.rollout, noted(), self.lora)
         check_loaded(manifest, loaded)  # what the engine took is what the manifest lists
         self.policy.version, self._sum = manifest.version, manifest.checksum
 

@@ -24,11 +24,12 @@ from tqdm.auto import tqdm
 from distflow_lab.algos.engine_setup import make_reward_fn
 from distflow_lab.algos.registry import load_run_config
 from distflow_lab.api.runner import arithmetic_difficulty, prepare
-from distflow_lab.core.config import RunConfig
+from distflow_lab.core.config import LoraOptions, RunConfig
 from distflow_lab.datasets.arithmetic import make_arithmetic_rows
 from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
 from distflow_lab.datasets.rewards import extract_gsm8k_answer, last_number
 from distflow_lab.datasets.schema import read_table
+from distflow_lab.models.lora import merged_state_dict
 from distflow_lab.models.model_dir import load_model_dir
 from distflow_lab.models.rollout_hf import HFRollout
 from distflow_lab.models.sequences import decode_responses, tokenize_prompts
@@ -87,9 +88,10 @@ def heldout_rows(cfg: RunConfig, rows: int) -> list[dict]:
     raise ValueError(f"eval knows the held-out sets of arithmetic and gsm8k, not data.train={d.train!r}")
 
 
-def load_trained_policy(model: torch.nn.Module, checkpoint: str | Path) -> Path:
+def load_trained_policy(model: torch.nn.Module, checkpoint: str | Path, lora: LoraOptions | None = None) -> Path:
     """Put a run's trained policy into `model` (the preset's base model): `checkpoint` is a checkpoint
-    folder, a run's `checkpoints/` folder or the run folder (then its newest complete checkpoint)."""
+    folder, a run's `checkpoints/` folder or the run folder (then its newest complete checkpoint).
+    A LoRA run's policy (adapters beside W0) is merged first, with `lora` (the run's actor.lora)."""
     where = Path(checkpoint)
     for candidate in (where / "checkpoints", where):
         if candidate.is_dir() and not (candidate / "actor").is_dir() and (found := latest_checkpoint(candidate)):
@@ -98,8 +100,12 @@ def load_trained_policy(model: torch.nn.Module, checkpoint: str | Path) -> Path:
     weights = where / "actor" / "model.pt"
     if not weights.is_file():
         raise FileNotFoundError(f"{checkpoint}: no trained policy (expected {weights}, a run's checkpoint folder)")
-    missing, unexpected = model.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True),
-                                                strict=False)
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    if any(".lora_A." in name for name in state):
+        if lora is None:
+            raise ValueError(f"{weights} holds LoRA adapters: score it with the run's actor.lora options")
+        state = merged_state_dict(state, lora)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if k != "lm_head.weight"]:  # a tied head is saved once
         raise ValueError(f"{weights} does not fit the preset's model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return where
@@ -124,7 +130,7 @@ def evaluate(preset: str | RunConfig, overrides: list[str] | None = None, rows: 
     cfg = eval_config(preset, overrides, samples, temperature, batch, progress)
     torch.manual_seed(cfg.session.seed)
     model, tok = load_model_dir(cfg.model.path)
-    where = cfg.model.path if checkpoint is None else str(load_trained_policy(model, checkpoint))
+    where = cfg.model.path if checkpoint is None else str(load_trained_policy(model, checkpoint, cfg.actor.lora))
     return score(model, tok, cfg, heldout_rows(cfg, rows), batch, progress, keep_examples, label=where)
 
 

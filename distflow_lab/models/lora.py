@@ -59,6 +59,25 @@ def adapter_name(state_name: str) -> str | None:
     return f"{m['module']}.{m['which']}" if m else None
 
 
+def merged_state_dict(state: dict[str, torch.Tensor], opts: LoraOptions) -> dict[str, torch.Tensor]:
+    """A LoRA run's saved policy (the PeftModel's state dict: its checkpoint's actor/model.pt) as the
+    base model's state dict: W0 + alpha/r * B @ A for each adapted layer, every other tensor under
+    its HF name. What an evaluation or an export of a LoRA run loads."""
+    ab: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if (m := _PEFT_NAME.match(name)) is not None:
+            ab.setdefault(m["module"], {})[m["which"]] = t.float()
+        else:
+            out[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = t
+    for module, d in ab.items():
+        w0 = out.get(f"{module}.weight")
+        if w0 is None or set(d) != {"lora_A", "lora_B"}:
+            raise ValueError(f"LoRA state dict: {module} has {sorted(d)} and {'no' if w0 is None else 'a'} base weight")
+        out[f"{module}.weight"] = (w0.float() + opts.scale * (d["lora_B"] @ d["lora_A"])).to(w0.dtype)
+    return out
+
+
 class LoraMerge:
     """The rollout side: adapters in, merged HF-named weights out (see the module docstring).
 

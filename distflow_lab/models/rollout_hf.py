@@ -33,6 +33,7 @@ class HFRollout:
                  max_prompt_len: int):
         self.model, self.tokenizer, self.cfg, self.max_prompt_len = model, tokenizer, opts, max_prompt_len
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.foreign = False  # parameters are views of memory a weight sync lent (load_weights(bind=True))
         if self.eos_id is None or self.pad_id is None:
             raise ValueError("tokenizer needs both an eos and a pad token")
         c = self.cfg
@@ -104,7 +105,7 @@ class HFRollout:
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[list[tuple[str, torch.Tensor]]],
-                     partial: bool = False) -> set[str]:
+                     partial: bool = False, bind: bool = False) -> set[str]:
         """Copy HF-named weights into the rollout model's parameters in place: a state dict, or
         buckets of (name, tensor) pairs consumed one at a time (`TrainEngine.weight_buckets`, or a
         weight sync's received views), so the only copy is the one into the parameter. Returns the
@@ -115,22 +116,34 @@ class HFRollout:
         WeightSyncMismatch naming the missing tensors. dtype is converted. Not needed when the
         rollout shares the trainer's module object (colocated): it already holds the new weights.
         `partial`: only some layers (a LoRA policy's merged layers); the rest keep theirs.
+        `bind`: no copy: each parameter becomes the tensor given (a weight sync's buffer that
+        outlives the load: weight_sync.load "map"); a tensor of another dtype is converted into a
+        new one, never written into the old (which may be a read-only mapping).
         """
-        own = self.model.state_dict()
+        own = self.model.state_dict()  # the names a complete load covers (persistent buffers too)
+        targets = {**dict(self.model.named_buffers(remove_duplicate=False)),
+                   **dict(self.model.named_parameters(remove_duplicate=False))}
         buckets = [list(weights.items())] if isinstance(weights, Mapping) else weights
         seen: set[str] = set()
-        written: set[int] = set()  # storages already copied into (tied weights share one)
+        written: set[int] = set()  # parameters already written (tied weights are one Parameter)
         for bucket in buckets:
             for name, src in bucket:
-                t = own.get(name)
-                if t is None:
+                t = targets.get(name)
+                if t is None or name not in own:
                     raise _mismatch(f"{name!r} is not a weight of the rollout model")
                 if src.shape != t.shape:
                     raise _mismatch(f"{name!r}: shape {tuple(src.shape)} != the rollout's {tuple(t.shape)}")
                 seen.add(name)
-                if t.data_ptr() not in written:
+                if id(t) in written:
+                    continue
+                written.add(id(t))
+                if not bind and not self.foreign:
                     t.copy_(src)
-                    written.add(t.data_ptr())
+                elif bind and src.dtype == t.dtype and src.is_contiguous():
+                    t.data = src
+                else:  # never into memory that is not ours (a sync's slot, a read-only object)
+                    t.data = src.to(t.dtype, copy=True).contiguous()
+        self.foreign = bind or (self.foreign and partial)  # a partial load leaves the others where they were
         missing = [] if partial else sorted(set(own) - seen)
         if missing:
             raise _mismatch(f"the sync covered {len(seen)} of the model's {len(own)} tensors; missing "

@@ -13,7 +13,10 @@ copies from it at memcpy speed. So a sync is two warm copies: the publisher's wr
                it is being written), READY + b (the version bucket b holds), READERS + r (the version
                reader r is reading, 0 when none).
     reader     `read_bucket`: marks READERS + r = v, checks HELD == v, maps the bucket (kept mapped
-               for the next sync) and returns views; `done` clears the mark.
+               for the next sync) and returns views; `done` clears the mark. A reader whose engine
+               computes from the views (weight_sync.load "map") `keep`s the mark instead, until it
+               keeps the next version's slot. A reader's first sight of a ring clears any mark its
+               rank left there in an earlier life (a worker that died and came back).
     publisher  before overwriting a slot, waits (within the deadline) until no reader marks the
                version the slot holds; a reader that never lets go is WeightSyncTimeout naming it.
 
@@ -137,6 +140,10 @@ class SlotReader:
         self.reader = reader
         self.maps: dict[str, shared_memory.SharedMemory] = {}
         self.current: dict[tuple[str, int], str] = {}  # (control, bucket) -> the segment mapped for it
+        self.kept: dict[str, int] = {}  # control -> the version our engine computes from (load "map")
+        self.marked: set[str] = set()  # controls where our mark is set
+        self.rings: set[str] = set()  # rings whose old marks of ours are cleared
+        self.busy: list[shared_memory.SharedMemory] = []  # let go of, but an engine still computes from them
 
     def _map(self, name: str, version: int) -> shared_memory.SharedMemory:
         seg = self.maps.get(name)
@@ -147,14 +154,18 @@ class SlotReader:
                 raise _timeout(f"policy v{version}: its shared memory ({name}) is gone: the worker that published it "
                                "died; call resume()") from None
             # Python < 3.13 registers a segment it only attached to: its tracker would unlink it at our exit
-            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+            # (unless this process published it: then the registration is the publisher's own)
+            if not name.startswith(f"dfl-w{os.getpid()}-"):
+                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
             self.maps[name] = seg
         return seg
 
     def read_bucket(self, version: int, ref: ShmBucket) -> list[np.ndarray]:
         """Views (uint8) of bucket `ref` of `version`; the caller copies them before `done`."""
         words = _words(self._map(ref.control, version))
+        self._claim(_ring_of(ref.control), version)
         words[READERS + self.reader] = version
+        self.marked.add(ref.control)
         held, ready = int(words[HELD]), int(words[READY + ref.bucket])
         if held != version or ready != version:
             words[READERS + self.reader] = 0
@@ -174,24 +185,62 @@ class SlotReader:
         self.current[(ref.control, ref.bucket)] = ref.segment
         for name in stale:
             self._close(name)
+        busy, self.busy = self.busy, []
+        for seg in busy:
+            self._close_segment(seg)
 
-    def done(self, control: str) -> None:
-        seg = self.maps.get(control)
-        if seg is not None:
+    def _claim(self, ring: str, version: int) -> None:
+        """Clear the marks our reader number left in `ring`'s slots before this process read from it
+        (a worker of that rank that died holding one would block the publisher for good)."""
+        if ring in self.rings:
+            return
+        self.rings.add(ring)
+        for slot in range(MAX_BUCKETS):
+            try:
+                seg = self._map(f"{ring}-{slot}-ctl", version)
+            except WeightSyncTimeout:  # no such slot: the ring has `slot` slots
+                break
             _words(seg)[READERS + self.reader] = 0
 
+    def done(self, control: str) -> None:
+        """The read of `control`'s slot is over: its mark goes (back to the kept version, if kept)."""
+        seg = self.maps.get(control)
+        if seg is not None:
+            _words(seg)[READERS + self.reader] = self.kept.get(control, 0)
+        if control not in self.kept:
+            self.marked.discard(control)
+
+    def keep(self, control: str, version: int) -> None:
+        """Our engine now computes from `version` in `control`'s slot (its parameters are views of
+        it): hold that slot, let go of the one held before."""
+        for old in (self.marked | set(self.kept)) - {control}:  # a read that failed half way left one too
+            if old in self.maps:
+                _words(self.maps[old])[READERS + self.reader] = 0
+        self.kept, self.marked = {control: version}, {control}
+        _words(self._map(control, version))[READERS + self.reader] = version
+
     def close(self) -> None:
+        """Let go of every slot (our marks cleared) and unmap every segment no view still uses."""
+        for control in self.marked | set(self.kept):
+            if control in self.maps:
+                _words(self.maps[control])[READERS + self.reader] = 0
         for name in list(self.maps):
             self._close(name)
-        self.current = {}
+        busy, self.busy = self.busy, []
+        for seg in busy:
+            self._close_segment(seg)
+        self.current, self.kept, self.marked, self.rings = {}, {}, set(), set()
 
     def _close(self, name: str) -> None:
         seg = self.maps.pop(name, None)
         if seg is not None:
-            try:
-                seg.close()
-            except BufferError:  # a view of it is still alive somewhere: unmapped when that goes
-                pass
+            self._close_segment(seg)
+
+    def _close_segment(self, seg: shared_memory.SharedMemory) -> None:
+        try:
+            seg.close()
+        except BufferError:  # a view of it is still alive (the engine's weights): tried again later
+            self.busy.append(seg)
 
 
 def _ring_of(name: str) -> str:

@@ -33,6 +33,7 @@ from distflow_lab.runtime.weight_transport import Bucket, Manifest, check_loaded
 class PolicyWeights(Protocol):
     version: int
     mode: str  # what a sync carries: "full" (the policy) or "lora" (its adapters, models/lora.py)
+    binds: bool  # the engine computes from the received views themselves (weight_sync.load "map")
 
     def export_buckets(self, bucket_bytes: int) -> Iterator[Bucket]:
         """The full policy in buckets (collective on the training group: every rank iterates)."""
@@ -107,7 +108,7 @@ class SyntheticWeights:
     """A policy-sized stand-in for the synthetic workload: `mib` of float32 whose
     content is a function of the version, so `checksum()` tells versions apart."""
 
-    mode = "full"
+    mode, binds = "full", False
 
     def __init__(self, mib: float = 4.0, seed: int = 0) -> None:
         self.numel = max(1, int(mib * 2**20 / 4))

@@ -168,6 +168,7 @@ class DAGWorker:
             self.ring = None
         gc.unfreeze()  # setup froze the last plan's objects: let the collector free what they left in cycles
         gc.collect()
+        self.slots.close()  # and the slots its rollout computed from (weight_sync.load "map"), marks with them
 
     def park(self) -> bool:
         """The session closed healthy: drop everything of its plan but keep the process and its
@@ -305,9 +306,9 @@ class DAGWorker:
         else:  # never back to an older one; but a replay loads even our version (a restored rollout's may differ)
             (manifest, _, nbytes), newer = held, version > w.version or strict
         if newer:
-            report = SyncReport("pull", version)
+            report = SyncReport("pull", version, load="map" if w.binds else "copy")
             with self.rec.span(step, stage, "weight_sync", bytes=nbytes):
-                tensors = receive(manifest, self.s.weight_sync.timeout_s, report, self.slots)
+                tensors = receive(manifest, self.s.weight_sync.timeout_s, report, self.slots, keep=w.binds)
                 self._sync_errors(step, stage, lambda: w.import_tensors(_timed(tensors, report), manifest))
             self.syncs.append(report.row())
         return w.version

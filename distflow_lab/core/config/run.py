@@ -493,6 +493,11 @@ class RunConfig(Strict):
                               "rollout.multi_turn (or set tool_demos: 0)")
         if s.cluster.world_size > 1 and not s.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
+        if s.weight_sync.load == "map" and (self.rollout.engine != "hf" or self.actor.lora):
+            why = "a LoRA policy is merged into the rollout's W0" if self.actor.lora else \
+                f"rollout.engine={self.rollout.engine} processes the weights it loads"
+            raise ConfigError(f"weight_sync.load=map needs an HF rollout of the full policy: {why}; use "
+                              "weight_sync.load=copy (or auto)")
         check_switches(s.mode, s.switches)
         check_schedule(s.mode, s.schedule, self.groups)
         if self.actor.off_policy != "none" and not self.rollout.log_probs:

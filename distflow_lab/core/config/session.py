@@ -177,6 +177,13 @@ class WeightSyncOptions(Strict):
     (benchmarks/probes/weight_sync_object_store.py: 256 MiB at 0.50x memcpy, 64 MiB at 0.08x)."""
     timeout_s: float = Field(default=60.0, gt=0)
     """A sync (or a call to the WeightBoard) that takes longer is WeightSyncTimeout / WeightBoardLost, never a hang."""
+    load: Literal["auto", "copy", "map"] = "auto"
+    """How a rollout worker takes a policy from another group. "copy": into its own weights (every
+    engine). "map": an HF rollout's parameters become the published buffers themselves (views of the
+    publisher's shared-memory slot, which it holds until the next version; or of the object-store
+    object): no copy on the reader, and the rollout workers of a node share one copy of the policy.
+    HF rollouts of a full policy only (vLLM processes what it loads; a LoRA policy is merged into
+    W0). "auto": "map" where it can, else "copy"."""
 
 
 class ProfileOptions(Strict):

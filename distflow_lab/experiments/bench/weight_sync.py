@@ -1,7 +1,8 @@
 """The weight sync, part by part, against this machine's memcpy in the same run.
 
     distflow-lab bench weight-sync [--models 135m,59m,tiny] [--dtypes float32,bfloat16]
-                                   [--paths shm,groups,colocated,pickled] [--repeats 3] [--json F]
+                                   [--paths shm,groups,colocated,pickled] [--loads copy,map]
+                                   [--repeats 3] [--json F]
 
 Paths (the reader is an HF rollout or a vLLM engine; each path is what the product runs):
   shm        worker groups on one node (runtime/weight_transport.py + shm_slots.py): the publisher
@@ -14,6 +15,10 @@ Paths (the reader is an HF rollout or a vLLM engine; each path is what the produ
   colocated  one process: the actor's buckets straight into the rollout's parameters (`sync_weights`).
   pickled    the path before issue 35: a dict of torch tensors through `ray.put` (pickled in band),
              `ray.get` (a deserialized copy), then `load_weights` (a third copy). The baseline.
+
+Loads (shm and groups, HF reader; `weight_sync.load`): `copy` copies each checked view into the
+model's own parameters; `map` makes the parameters the views themselves (the reader keeps the slot,
+or the object, until the next version): one copy in all, the publisher's.
 
 The `135m` policy has SmolLM2-135M's shapes (Llama, 30 layers, hidden 576, tied embedding:
 134.5M parameters, 513 MiB in float32), `59m` the 59M policy of the async bench; random init
@@ -56,6 +61,7 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "tiny": (64, 2, 4, 2, 128, 260),
 }
 PATHS = ("shm", "groups", "colocated", "pickled")
+LOADS = ("copy", "map")
 RING_SLOTS = ring_slots(0)  # what a one_step_off run keeps
 SYNC_TIMEOUT_S = 300.0  # one sync of the largest policy takes seconds; a hang is an error, never a wait
 
@@ -99,12 +105,13 @@ class Reader:
         gc.collect()
         self.mem0 = _private_mib()
 
-    def pull(self, manifest: Any) -> dict:
-        report = SyncReport("pull", manifest.version)
+    def pull(self, manifest: Any, load: str = "copy") -> dict:
+        report = SyncReport("pull", manifest.version, load=load)
         loaded: set[str] = set()
         t0 = time.perf_counter()
-        tensors = receive(manifest, SYNC_TIMEOUT_S, report, self.slots)
-        self.rollout.load_weights([(n, t)] for n, t in tensors if not loaded.add(n))
+        tensors = receive(manifest, SYNC_TIMEOUT_S, report, self.slots, keep=load == "map")
+        buckets = ([(n, t)] for n, t in tensors if not loaded.add(n))
+        self.rollout.load_weights(buckets, bind=True) if load == "map" else self.rollout.load_weights(buckets)
         check_loaded(manifest, loaded)
         row = report.row()
         row["wall_s"] = time.perf_counter() - t0
@@ -118,14 +125,15 @@ class Reader:
         return {"wall_s": time.perf_counter() - t0, "private_growth_mib": _private_mib() - self.mem0}
 
 
-def _groups(engine: TrainEngine, reader: Any, version: int, bucket_bytes: int, ring: SlotRing | None) -> dict:
+def _groups(engine: TrainEngine, reader: Any, version: int, bucket_bytes: int, ring: SlotRing | None,
+            load: str) -> dict:
     rep = SyncReport("publish", version)
     t0 = time.perf_counter()
     m = publish(engine.weight_buckets(bucket_bytes, device="cpu"), version, engine.tied_aliases(), report=rep,
                 ring=ring, deadline_s=SYNC_TIMEOUT_S)
     pub = rep.row()
     pub_wall = time.perf_counter() - t0
-    pull = ray.get(reader.pull.remote(m), timeout=SYNC_TIMEOUT_S)
+    pull = ray.get(reader.pull.remote(m, load), timeout=SYNC_TIMEOUT_S)
     return {"bytes": m.nbytes, "wall_s": pub_wall + pull["wall_s"], "gather_s": pub["gather_s"],
             "write_s": pub["write_s"], "read_s": pull["read_s"], "verify_s": pub["verify_s"] + pull["verify_s"],
             "load_s": pull["load_s"], "private_growth_mib": pull["private_growth_mib"]}
@@ -150,9 +158,10 @@ def _colocated(engine: TrainEngine, rollout: HFRollout) -> dict:
 
 
 def cells(name: str, dtype: str, paths: list[str], repeats: int, bucket_mib: int, engine_name: str = "hf",
-          workdir: Path | None = None) -> dict[str, list[dict]]:
-    """path -> `repeats` syncs (after one warm-up) of one model and dtype; one reader process serves
-    every path that needs one. vLLM: groups only (its colocated path is the same reload, in process)."""
+          workdir: Path | None = None, loads: tuple[str, ...] = ("copy",)) -> dict[tuple[str, str], list[dict]]:
+    """(path, load) -> `repeats` syncs (after one warm-up) of one model and dtype; one reader process
+    serves every path that needs one. vLLM: groups only (its colocated path is the same reload, in
+    process), copy only (it processes what it loads)."""
     engine = TrainEngine(build(name, getattr(torch, dtype)), None, device="cpu", use_fsdp=False)
     model_dir = None
     if engine_name == "vllm":
@@ -162,22 +171,24 @@ def cells(name: str, dtype: str, paths: list[str], repeats: int, bucket_mib: int
     reader = Reader.remote(name, dtype, engine_name, model_dir) if set(paths) - {"colocated"} else None
     rollout = HFRollout(build(name, getattr(torch, dtype)), build_char_tokenizer(), RolloutOptions(n=1), 8) \
         if "colocated" in paths else None
-    out: dict[str, list[dict]] = {}
-    for path in paths:
-        out[path] = []
+    out: dict[tuple[str, str], list[dict]] = {}
+    cases = [(path, load) for path in paths
+             for load in (loads if path in ("shm", "groups") and engine_name == "hf" else ("copy",))]
+    for path, load in cases:
+        out[path, load] = []
         if reader is not None:
             ray.get(reader.next_path.remote(), timeout=SYNC_TIMEOUT_S)
         ring = SlotRing(RING_SLOTS) if path == "shm" else None
         warmups = RING_SLOTS if ring is not None else 1  # each slot's pages are faulted in by its first write
         for v in range(1, repeats + warmups + 1):
             if path in ("shm", "groups"):
-                r = _groups(engine, reader, v, bucket_mib << 20, ring)
+                r = _groups(engine, reader, v, bucket_mib << 20, ring, load)
             elif path == "pickled":
                 r = _pickled(engine, reader)
             else:
                 r = _colocated(engine, rollout)
             if v > warmups:
-                out[path].append(r)
+                out[path, load].append(r)
         if ring is not None:
             ring.close()
     if reader is not None:
@@ -186,29 +197,33 @@ def cells(name: str, dtype: str, paths: list[str], repeats: int, bucket_mib: int
 
 
 def run(models: list[str], dtypes: list[str], paths: list[str], repeats: int = 3, bucket_mib: int = 256,
-        json_path: str | None = None, engines: tuple[str, ...] = ("hf",)) -> list[dict]:
+        json_path: str | None = None, engines: tuple[str, ...] = ("hf",), loads: tuple[str, ...] = ("copy",)
+        ) -> list[dict]:
     bad = sorted(set(paths) - set(PATHS))
     if bad:
         raise ValueError(f"paths {bad}: choose from {PATHS}")
+    if set(loads) - set(LOADS) or not loads:
+        raise ValueError(f"loads {list(loads)}: choose from {LOADS}")
     torch.set_num_threads(1)
     connect(num_cpus=4)
     memcpy = memcpy_gbps()
     records = []
     workdir = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     for engine_name, name, dtype in ((e, m, d) for e in engines for m in models for d in dtypes):
-        for path, syncs in cells(name, dtype, paths, repeats, bucket_mib, engine_name, workdir).items():
+        for (path, load), syncs in cells(name, dtype, paths, repeats, bucket_mib, engine_name, workdir,
+                                         tuple(loads)).items():
             nbytes = syncs[0]["bytes"]
             gbps = summarize([nbytes / s["wall_s"] / 1e9 for s in syncs])
             parts = {k: summarize([s[k] for s in syncs])["median"]
                      for k in ("gather_s", "write_s", "read_s", "verify_s", "load_s") if k in syncs[0]}
-            records.append({"engine": engine_name, "model": name, "dtype": dtype, "path": path,
+            records.append({"engine": engine_name, "model": name, "dtype": dtype, "path": path, "load": load,
                             "mib": nbytes / 2**20, "s_per_update": summarize([s["wall_s"] for s in syncs]),
                             "gbps": gbps, "x_memcpy": gbps["median"] / memcpy, "memcpy_gbps": memcpy, **parts,
                             "private_growth_mib": max(s["private_growth_mib"] for s in syncs)})
     rows = [{**r, "s_per_update": r["s_per_update"]["median"], "gbps_min": r["gbps"]["min"],
              "gbps_max": r["gbps"]["max"], "gbps": r["gbps"]["median"]} for r in records]
     shutil.rmtree(workdir, ignore_errors=True)
-    print_table(rows, ["engine", "model", "dtype", "path", "mib", "s_per_update", "gbps", "gbps_min", "gbps_max",
+    print_table(rows, ["engine", "model", "dtype", "path", "load", "mib", "s_per_update", "gbps", "gbps_min", "gbps_max",
                        "x_memcpy", "write_s", "read_s", "verify_s", "load_s", "private_growth_mib"],
                 title=f"weight sync, {repeats} syncs a cell (median; min/max GB/s); memcpy {memcpy:.2f} GB/s")
     write_json(records, json_path)
