@@ -251,9 +251,13 @@ def test_lineage_of_a_prompt_group():
 
 @pytest.mark.parametrize("override, why", [("rollout.engine=vllm", "rollout.engine=vllm processes the weights"),
                                            ("actor.lora={rank: 2}", "a LoRA policy is merged")])
-def test_a_mapped_load_needs_an_hf_rollout_of_the_full_policy(override, why):
+def test_a_mapped_load_or_a_delta_needs_an_hf_rollout_of_the_full_policy(override, why):
     from distflow_lab.algos.registry import load_run_config
 
     load_run_config("tiny-cpu-grpo", ["weight_sync.load=map"]).check_sizes()
     with pytest.raises(ConfigError, match=f"weight_sync.load=map needs an HF rollout of the full policy: {why}"):
         load_run_config("tiny-cpu-grpo", ["weight_sync.load=map", override]).check_sizes()
+    with pytest.raises(ConfigError, match=f"weight_sync.mode=delta patches an HF rollout's own weights: {why}"):
+        load_run_config("tiny-cpu-grpo", ["weight_sync.mode=delta", override]).check_sizes()
+    with pytest.raises(ConfigError, match="weight_sync.mode=delta patches the rollout's own weights, and load=map"):
+        load_run_config("tiny-cpu-grpo", ["weight_sync.mode=delta", "weight_sync.load=map"]).check_sizes()

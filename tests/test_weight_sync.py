@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import time
 
+import pandas as pd
 import pytest
 import ray
 import torch
@@ -22,8 +23,8 @@ from distflow_lab.models.model_dir import build_tiny_qwen2
 from distflow_lab.models.rollout_hf import HFRollout
 from distflow_lab.models.tokenizer import build_char_tokenizer
 from distflow_lab.runtime.shm_slots import SlotReader, SlotRing
-from distflow_lab.runtime.weight_transport import (Manifest, SyncReport, check_loaded, fingerprint, publish,
-                                                   read_state, receive)
+from distflow_lab.runtime.weight_transport import (DeltaBase, Manifest, SyncReport, apply_delta, check_loaded,
+                                                   fingerprint, publish, read_state, receive)
 
 CARRIERS = ("object_store", "shm")
 
@@ -209,28 +210,72 @@ def test_a_mapped_rollout_computes_from_the_slot_it_keeps_until_the_next_version
         ring.close()
 
 
+def test_a_delta_carries_only_what_changed_and_a_reader_off_its_base_is_caught(ray_cluster, policy):
+    """weight_sync.mode "delta": a version also carries the elements that changed since the one
+    before (a tensor whose change is bigger than itself goes whole, an unchanged one not at all);
+    patched into the reader's own tensors it is the new version bit for bit, and a reader that did
+    not hold the base fails the fingerprints by name."""
+    engine, tok = policy
+    model = copy.deepcopy(engine.model).to(torch.bfloat16)  # what a bfloat16 rollout is sent
+    trainer, base = TrainEngine(model, None, device="cpu", use_fsdp=False), DeltaBase()
+    first = _publish(trainer, version=1, delta=base)
+    assert first.delta is None  # nothing to compare with yet: full only
+    reader = copy.deepcopy(model)
+    names = {p: n for n, p in model.named_parameters()}
+    embed, whole = list(model.parameters())[:2]
+    with torch.no_grad():
+        embed.view(-1)[::100] += 1.0  # 1 % of the embedding: its positions and values
+        whole.add_(1.0)  # every element: the tensor goes whole
+    m = _publish(trainer, version=2, delta=base)
+    counts = {d.name: d.count for d in m.delta.entries}
+    assert m.delta.base == 1 and counts == {names[embed]: -(-embed.numel() // 100), names[whole]: -1}, counts
+    assert m.delta.nbytes < m.nbytes / 10
+    targets = dict(reader.state_dict(keep_vars=True))
+    assert apply_delta(m, {k: t.data for k, t in targets.items()}, 30.0) == m.names
+    assert all(torch.equal(reader.state_dict()[k], v) for k, v in model.state_dict().items())  # bit for bit
+    same = _publish(trainer, version=3, delta=base)
+    assert same.delta.entries == () and same.delta.nbytes == 0  # nothing changed, nothing sent
+    stranger = build_tiny_qwen2(tok, TinySpec(), seed=4).to(torch.bfloat16)
+    off_base = r"policy v2: .* after the delta from v1: .* \(did the reader hold v1\?\)"
+    with pytest.raises(WeightSyncMismatch, match=off_base):
+        apply_delta(m, {k: t.data for k, t in stranger.state_dict(keep_vars=True).items()}, 30.0)
+
+
+@pytest.mark.budget(30, reason="two 3-step sessions on worker groups: full and delta")
 def test_groups_send_the_policy_in_the_rollouts_dtype_and_every_sync_is_a_row(ray_cluster, tmp_path):
     """A real GRPO run on worker groups with a bfloat16 rollout beside a float32 trainer: the policy
     travels in bfloat16 (what the rollout holds anyway: half the bytes), tied embedding once, and
-    s.weight_sync() has each sync's publish and pull with their parts."""
+    s.weight_sync() has each sync's publish and pull with their parts. The same run with
+    weight_sync.mode "delta" patches the rollout from the version it holds and trains the same
+    policy to the bit: the same metrics, step by step."""
     from distflow_lab.api.runner import load_run_config, open_session
 
-    cfg = load_run_config("tiny-cpu-grpo", [f"trainer.out_dir={tmp_path}/out", "model.warm_start.steps=0",
-                                            "cluster.world_size=2", "data.prompts_per_step=2", "rollout.n=4",
-                                            "rollout.log_probs=true", "rollout.dtype=bfloat16",
-                                            "groups={rollout: 1, train: 1}", "actor.entropy_coeff=0.01"])
-    with open_session(cfg, progress=False) as s:
-        m = [s.step().metrics for _ in range(2)]
-        syncs = s.weight_sync()
+    def run(mode: str) -> tuple[list[dict], "pd.DataFrame"]:
+        cfg = load_run_config("tiny-cpu-grpo", [f"trainer.out_dir={tmp_path}/{mode}", "model.warm_start.steps=0",
+                                                "cluster.world_size=2", "data.prompts_per_step=2", "rollout.n=4",
+                                                "rollout.log_probs=true", "rollout.dtype=bfloat16",
+                                                "groups={rollout: 1, train: 1}", "actor.entropy_coeff=0.01",
+                                                f"weight_sync.mode={mode}"])
+        with open_session(cfg, progress=False) as s:
+            return [s.step().metrics for _ in range(3)], s.weight_sync()
+
+    m, syncs = run("full")
     tok = build_char_tokenizer()
-    model = build_tiny_qwen2(tok, cfg.model.tiny, seed=0)
+    model = build_tiny_qwen2(tok, TinySpec(), seed=0)
     bf16 = sum(t.numel() * 2 for name, t in model.state_dict().items() if name != "lm_head.weight")  # tied: once
     pub, pull = syncs[syncs.side == "publish"], syncs[syncs.side == "pull"]
-    assert len(pub) == 2 and (pub.bytes == bf16).all(), (pub.bytes.tolist(), bf16)
-    assert len(pull) >= 1 and (pull.bytes == bf16).all() and (pull.load_s > 0).all()
+    assert len(pub) == 3 and (pub.bytes == bf16).all(), (pub.bytes.tolist(), bf16)
+    assert len(pull) >= 2 and (pull.bytes == bf16).all() and (pull.load_s > 0).all()
     assert set(syncs.transport) == {"shm"}  # one node: the publisher's shared memory (weight_sync.transport auto)
     assert set(pull.load) == {"map"}  # an HF rollout computes from the slot (weight_sync.load auto)
     assert m[0]["rollout/logprob_diff_max"] > 1e-4  # a real bf16 rollout against the fp32 trainer
+
+    md, dsyncs = run("delta")
+    dpull = dsyncs[dsyncs.side == "pull"]
+    assert dpull["mode"].tolist() == ["full"] + ["delta"] * (len(dpull) - 1) and len(dpull) >= 2  # v1: no base yet
+    assert set(dpull.load) == {"copy"} and (dpull.transport.iloc[1:] == "object_store").all()
+    learned = [k for k in m[0] if k.startswith(("reward/", "actor/", "rollout/logprob"))]
+    assert learned and all(a[k] == b[k] for a, b in zip(m, md) for k in learned)
 
 
 def test_bench_weight_sync_reports_every_path_against_memcpy(ray_cluster, tmp_path):
@@ -238,18 +283,20 @@ def test_bench_weight_sync_reports_every_path_against_memcpy(ray_cluster, tmp_pa
 
     from distflow_lab.experiments.bench import weight_sync
 
-    out = tmp_path / "ws.json"
-    weight_sync.run(["tiny"], ["float32", "bfloat16"], list(weight_sync.PATHS), repeats=1, json_path=str(out),
+    out, f32_out = tmp_path / "ws.json", tmp_path / "ws32.json"  # every path and load in bfloat16, one in float32
+    weight_sync.run(["tiny"], ["bfloat16"], list(weight_sync.PATHS), repeats=1, json_path=str(out),
                     loads=weight_sync.LOADS)
+    weight_sync.run(["tiny"], ["float32"], ["groups"], repeats=1, json_path=str(f32_out))
     rows = json.loads(out.read_text())
-    assert {(r["dtype"], r["path"], r["load"]) for r in rows} == {
-        (d, p, load) for d in ("float32", "bfloat16") for p in weight_sync.PATHS
-        for load in (weight_sync.LOADS if p in ("shm", "groups") else ("copy",))}
+    assert {(r["path"], r["load"]) for r in rows} == {
+        (p, load) for p in weight_sync.PATHS for load in (weight_sync.LOADS if p in ("shm", "groups") else ("copy",))}
     for r in rows:
         assert r["gbps"]["median"] > 0 and r["x_memcpy"] > 0 and r["memcpy_gbps"] > 0, r
+    deltas = [r for r in rows if r["load"] == "delta"]  # 3 % of each tensor changed: positions and values go
+    assert deltas and all(r["sent_mib"] < r["mib"] / 2 for r in deltas), [(r["sent_mib"], r["mib"]) for r in deltas]
     groups = [r for r in rows if r["path"] == "groups"]
     assert all(r["write_s"] > 0 and r["load_s"] > 0 for r in groups)
-    f32, b16 = (next(r["mib"] for r in groups if r["dtype"] == d) for d in ("float32", "bfloat16"))
+    b16, f32 = groups[0]["mib"], json.loads(f32_out.read_text())[0]["mib"]
     assert b16 == pytest.approx(f32 / 2)
     with pytest.raises(ValueError, match="paths \\['nvlink'\\]"):
         weight_sync.run(["tiny"], ["float32"], ["nvlink"])

@@ -150,8 +150,9 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
     if trains and not generates:  # sent in the rollout's dtype: what it will hold anyway (bf16: half the bytes)
         e.weights = ActorWeights(e.actor, e.policy, None if same else getattr(torch, gen_dtype), cfg.actor.lora is not None)
     elif generates and not trains:
-        binds = cfg.session.weight_sync.load != "copy" and hf and e.lora is None  # "auto": map where it can
-        e.weights = RolloutWeights(e.rollout, e.policy, gen_model, e.lora, binds)
+        ws, plain = cfg.session.weight_sync, hf and e.lora is None  # the config refuses the rest by name
+        binds = ws.load != "copy" and ws.mode != "delta" and plain  # "auto": map where it can
+        e.weights = RolloutWeights(e.rollout, e.policy, gen_model, e.lora, binds, ws.mode == "delta" and plain)
     return e
 
 
@@ -179,6 +180,9 @@ class ActorWeights:
     def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
         raise RuntimeError("the training group publishes weights; it never imports them")
 
+    def import_delta(self, manifest: Manifest, patch: Callable[[dict[str, torch.Tensor]], set[str]]) -> bool:
+        return False
+
     def checksum(self) -> float:
         """Collective under FSDP (a full gather): every training rank must call it."""
         if self.lora:
@@ -192,9 +196,10 @@ class RolloutWeights:
     parameters become the views: weight_sync.load "map") and becomes this worker's version."""
 
     def __init__(self, rollout: RolloutEngine, policy: Policy, model: torch.nn.Module | None,
-                 lora: LoraMerge | None = None, binds: bool = False) -> None:
+                 lora: LoraMerge | None = None, binds: bool = False, patches: bool = False) -> None:
         self.rollout, self.policy, self.lora, self.binds = rollout, policy, lora, binds
         self.mode = "lora" if lora is not None else "full"
+        self.model = model if patches else None  # weight_sync.mode "delta": the HF model a delta patches
         self._sum = state_checksum(model.state_dict()) if model is not None else 0.0
 
     @property
@@ -221,6 +226,14 @@ class RolloutWeights:
             load_policy(self.rollout, noted(), self.lora)
         check_loaded(manifest, loaded)  # what the engine took is what the manifest lists
         self.policy.version, self._sum = manifest.version, manifest.checksum
+
+    def import_delta(self, manifest: Manifest, patch: Callable[[dict[str, torch.Tensor]], set[str]]) -> bool:
+        if self.model is None:
+            return False
+        own = self.model.state_dict(keep_vars=True)  # the parameters themselves (tied names: one tensor)
+        check_loaded(manifest, patch({name: t.data for name, t in own.items()}))
+        self.policy.version, self._sum = manifest.version, manifest.checksum
+        return True
 
     def checksum(self) -> float:
         return self._sum

@@ -168,7 +168,7 @@ class SlotReader:
         self.marked.add(ref.control)
         held, ready = int(words[HELD]), int(words[READY + ref.bucket])
         if held != version or ready != version:
-            words[READERS + self.reader] = 0
+            words[READERS + self.reader] = self.kept.get(ref.control, 0)
             raise _timeout(f"policy v{version}: slot {ref.slot} now holds v{held} (bucket {ref.bucket}: v{ready}); "
                            "the publisher moved past it")
         self._let_go_of_stale(ref)

@@ -101,6 +101,7 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)  # a tied name -> the entry it shares
     nbytes: int = 0  # bytes sent (each tensor once)
     mode: str = "full"
+    delta: "Delta | None" = None  # weight_sync.mode "delta": the changes since the version before
 
     @property
     def checksum(self) -> float:
@@ -110,6 +111,53 @@ class Manifest:
     @property
     def names(self) -> set[str]:
         return {e.name for e in self.entries} | set(self.aliases)
+
+
+@dataclass(frozen=True)
+class DeltaEntry:
+    """One tensor's change since the delta's base: `count` positions (arrays[index], int32 or int64,
+    flat) and their new values (arrays[index + 1]); count -1: the whole tensor (arrays[index]),
+    sent when that is smaller. A tensor with no entry did not change."""
+
+    name: str
+    bucket: int
+    index: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What a reader holding version `base` needs to reach its manifest's version (the object store's
+    buckets; weight_sync.mode "delta")."""
+
+    base: int
+    entries: tuple[DeltaEntry, ...]
+    buckets: tuple[Any, ...]
+    nbytes: int
+
+
+class DeltaBase:
+    """The publisher's copy of the version it sent last, in the sent dtype: what the next version is
+    compared with, element by element (bits, so -0.0 and NaN count as they are)."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def diff(self, name: str, a: np.ndarray) -> list[np.ndarray] | None:
+        """[positions, values], [the whole array] when that is smaller, or None: unchanged."""
+        old = self.arrays.get(name)
+        self.arrays[name] = a.copy()  # `a` may be a view of the trainer's tensor, which the next update changes
+        if old is None or old.shape != a.shape or old.dtype != a.dtype:
+            return [a]
+        bits = np.dtype(f"u{a.itemsize}")
+        where = np.flatnonzero(a.reshape(-1).view(bits) != old.reshape(-1).view(bits))
+        if where.size == 0:
+            return None
+        where = where.astype(np.int32 if a.size < 2**31 else np.int64)
+        if where.size * (where.itemsize + a.itemsize) >= a.nbytes:
+            return [a]
+        return [where, a.reshape(-1)[where]]
 
 
 @dataclass
@@ -139,7 +187,7 @@ class SyncReport:
         return {"side": self.side, "version": self.version, "mode": self.mode, "transport": self.transport,
                 "load": self.load, "bytes": self.nbytes,
                 "tensors": self.tensors, "buckets": self.buckets, "seconds": seconds,
-                **{f"{p}_s": self.parts.get(p, 0.0) for p in ("gather", "write", "read", "load", "verify")},
+                **{f"{p}_s": self.parts.get(p, 0.0) for p in ("gather", "write", "read", "load", "verify", "delta")},
                 "gbps": self.nbytes / seconds / 1e9 if seconds > 0 else float("nan")}
 
 
@@ -163,13 +211,16 @@ def _as_tensor(a: np.ndarray, entry: TensorEntry) -> torch.Tensor:
 def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | None = None, put: bool = True,
             report: SyncReport | None = None, corrupt: int | None = None,
             after_put: Callable[[int], Any] | None = None, ring: SlotRing | None = None,
-            deadline_s: float = 60.0, mode: str = "full") -> Manifest:
+            deadline_s: float = 60.0, mode: str = "full", delta: DeltaBase | None = None) -> Manifest:
     """Send `buckets` (every rank of an FSDP group iterates them: the gather is collective; only
     the rank with `put` writes): into `ring`'s shared memory when given (same node), else the
     object store. `aliases`: tied names not sent (name -> the name that is). `deadline_s` bounds
     the wait for a ring slot's readers. `mode`: what the buckets are ("full": the policy; "lora": its
-    adapters), shown on both sides' reports. Fault injection only: `corrupt=i` damages bucket i's first
-    tensor after fingerprinting it; `after_put(i)` runs after bucket i is written."""
+    adapters), shown on both sides' reports. `delta` (weight_sync.mode "delta"; the writing rank's):
+    also the changes since the version it holds, as object-store buckets (`Manifest.delta`), for
+    readers that hold that version; the full buckets stay, for the others. Fault injection only:
+    `corrupt=i` damages bucket i's first tensor after fingerprinting it; `after_put(i)` runs after
+    bucket i is written."""
     aliases = dict(aliases or {})
     slot = ring.begin(version, time.monotonic() + deadline_s) if put and ring is not None else None
     report = report or SyncReport("publish", version)
@@ -177,6 +228,7 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
     entries: list[TensorEntry] = []
     refs: list[Any] = []
     nbytes = 0
+    changes = _Changes(delta) if put and delta is not None else None
     it = iter(buckets)
     while True:
         with report.part("gather"):
@@ -193,6 +245,9 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
                 arrays.append(_as_numpy(t))
                 nbytes += t.numel() * t.element_size()
         if put and arrays:
+            if changes is not None:
+                with report.part("delta"):
+                    changes.add([e.name for e in entries[-len(arrays):]], arrays)
             if corrupt == len(refs):  # a bit flipped in every byte of its first tensor, after the fingerprint
                 arrays[0] = (arrays[0].view(np.uint8) ^ 0x40).view(arrays[0].dtype)
             with report.part("write"):
@@ -203,12 +258,96 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
             refs.append(None)
     if slot is not None:
         ring.finish(version, slot)
-    report.nbytes, report.tensors, report.buckets = nbytes, len(entries), len(refs)
+    changed = None
+    if changes is not None:
+        with report.part("delta"):
+            changed = changes.finish(version)
+        report.mode = "delta" if changed is not None else report.mode
+    report.nbytes = nbytes + (changed.nbytes if changed is not None else 0)
+    report.tensors, report.buckets = len(entries), len(refs)
     missing = sorted(set(aliases.values()) - {e.name for e in entries})
     if missing:
         raise WeightSyncMismatch(f"tied weights {missing} are not among the tensors published", step=-1,
                                  stage="weight_sync", worker=None)
-    return Manifest(version, tuple(entries), tuple(refs) if put else (), aliases, nbytes, mode)
+    return Manifest(version, tuple(entries), tuple(refs) if put else (), aliases, nbytes, mode, changed)
+
+
+class _Changes:
+    """The delta buckets of one publish: one object per full bucket that has changes."""
+
+    def __init__(self, base: DeltaBase) -> None:
+        self.base, self.from_version = base, base.version
+        self.entries: list[DeltaEntry] = []
+        self.refs: list[Any] = []
+        self.nbytes = 0
+
+    def add(self, names: list[str], arrays: list[np.ndarray]) -> None:
+        out: list[np.ndarray] = []
+        for name, a in zip(names, arrays):
+            d = self.base.diff(name, a)
+            if d is not None:
+                self.entries.append(DeltaEntry(name, len(self.refs), len(out), -1 if len(d) == 1 else d[0].size))
+                out.extend(d)
+        if out:
+            self.nbytes += sum(a.nbytes for a in out)
+            self.refs.append(ray.put(out))
+
+    def finish(self, version: int) -> Delta | None:
+        """The delta from the base's version to `version` (None: the base held none), which the base now holds."""
+        self.base.version = version
+        if self.from_version < 0:
+            return None
+        return Delta(self.from_version, tuple(self.entries), tuple(self.refs), self.nbytes)
+
+
+def apply_delta(manifest: Manifest, targets: dict[str, torch.Tensor], deadline_s: float,
+                report: SyncReport | None = None) -> set[str]:
+    """Patch `targets` (the reader's own tensors, at `manifest.delta.base`; tied names the same
+    tensor) in place to `manifest.version`: each change written into its tensor, then every tensor
+    of the manifest checked against its fingerprint (a reader that did not hold the base, or a
+    damaged delta, is WeightSyncMismatch). Returns the names it covers (aliases too)."""
+    delta = manifest.delta
+    assert delta is not None, "a manifest without a delta"
+    report = report or SyncReport("pull", manifest.version)
+    report.mode, report.nbytes, report.tensors = "delta", delta.nbytes, len(delta.entries)
+    report.buckets = len(delta.buckets)
+    report.transport = "object_store"
+    entries = {e.name: e for e in manifest.entries}
+    end = time.monotonic() + deadline_s
+    by_bucket: dict[int, list[DeltaEntry]] = defaultdict(list)
+    for d in delta.entries:
+        by_bucket[d.bucket].append(d)
+    for b, ref in enumerate(delta.buckets):
+        with report.part("read"):
+            arrays = _get(ref, end, manifest.version, b, len(delta.buckets))
+        with report.part("load"):
+            for d in by_bucket[b]:
+                _patch(manifest.version, targets, entries[d.name], d, arrays)
+    with report.part("verify"):
+        for e in manifest.entries:
+            t = targets.get(e.name)
+            got = fingerprint(t) if t is not None else None
+            if got != e.fingerprint:
+                raise _mismatch(manifest.version, e.name,
+                                f"after the delta from v{delta.base}: fingerprint {got!r} != published "
+                                f"{e.fingerprint!r} (did the reader hold v{delta.base}?)")
+    return set(entries) | set(manifest.aliases)
+
+
+def _patch(version: int, targets: dict[str, torch.Tensor], e: TensorEntry, d: DeltaEntry,
+           arrays: list[np.ndarray]) -> None:
+    t = targets.get(e.name)
+    if t is None or str(t.dtype).removeprefix("torch.") != e.dtype or tuple(t.shape) != e.shape:
+        held = "none" if t is None else f"{t.dtype}{list(t.shape)}"
+        raise _mismatch(version, e.name, f"a delta patches {e.dtype}{list(e.shape)}; the reader holds {held}")
+    flat = t.detach().view(-1)
+    flat = flat.view(_BITS[flat.dtype]) if flat.dtype in _BITS else flat
+    with warnings.catch_warnings():  # the object store's arrays are read-only: we only read them
+        warnings.simplefilter("ignore", UserWarning)
+        if d.count < 0:
+            flat.copy_(torch.from_numpy(arrays[d.index]).reshape(-1))
+        else:
+            flat[torch.from_numpy(arrays[d.index]).long()] = torch.from_numpy(arrays[d.index + 1])
 
 
 def receive(manifest: Manifest, deadline_s: float, report: SyncReport | None = None,

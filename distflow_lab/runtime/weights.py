@@ -22,7 +22,7 @@ RL algorithms' actor/rollout pair).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import ray
 import torch
@@ -44,6 +44,10 @@ class PolicyWeights(Protocol):
     def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
         """Load a published policy (checked views, consumed one at a time); it becomes `manifest.version`.
         A name that does not arrive is WeightSyncMismatch."""
+
+    def import_delta(self, manifest: Manifest, patch: Callable[[dict[str, torch.Tensor]], set[str]]) -> bool:
+        """Reach `manifest.version` by `patch`ing this engine's own tensors in place (weight_sync.mode
+        "delta": `weight_transport.apply_delta`); False when this engine takes only full versions."""
 
     def checksum(self) -> float:
         """A number that changes with the weights (for tests and the timeline)."""
@@ -136,6 +140,9 @@ class SyntheticWeights:
 
     def aliases(self) -> dict[str, str]:
         return {}
+
+    def import_delta(self, manifest: Manifest, patch: Callable[[dict[str, torch.Tensor]], set[str]]) -> bool:
+        return False
 
     def import_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
         got = {name: t.clone() for name, t in tensors}

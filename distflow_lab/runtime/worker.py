@@ -42,7 +42,8 @@ from distflow_lab.runtime.progress import ProgressNote
 from distflow_lab.runtime.results import StageResult
 from distflow_lab.runtime.samples import sample_rows
 from distflow_lab.runtime.shm_slots import MAX_READERS, SlotReader, SlotRing
-from distflow_lab.runtime.weight_transport import SyncReport, publish, publish_state, read_state, receive
+from distflow_lab.runtime.weight_transport import (DeltaBase, Manifest, SyncReport, apply_delta, publish, publish_state,
+                                                   read_state, receive)
 from distflow_lab.runtime.weights import ring_slots
 
 
@@ -93,6 +94,7 @@ class DAGWorker:
         self.rec = SpanRecorder(rank, self.node)
         self.syncs: list[dict] = []  # SyncReport rows since the last stage result (weight_transport.py)
         self.ring: SlotRing | None = None  # a publisher's shared-memory slots (weight_sync.transport shm)
+        self.delta: DeltaBase | None = None  # a publisher's copy of its last version (weight_sync.mode delta)
         self.slots = SlotReader(rank % (MAX_READERS // 2))  # its mappings of publishers' slots (marks: bottom half)
         self.port: WorkerPort | None = None
         self.outputs: dict[str, Batch] = {}
@@ -166,6 +168,7 @@ class DAGWorker:
         if self.ring is not None:  # a new plan's publisher starts its own slots
             self.ring.close()
             self.ring = None
+        self.delta = None
         gc.unfreeze()  # setup froze the last plan's objects: let the collector free what they left in cycles
         gc.collect()
         self.slots.close()  # and the slots its rollout computed from (weight_sync.load "map"), marks with them
@@ -278,9 +281,12 @@ class DAGWorker:
             mid = (lambda b: self._maybe_fault(step, last.id, "exit_mid_sync")) if puts else None
             if puts and opts.transport == "shm" and self.ring is None:
                 self.ring = SlotRing(ring_slots(self.s.schedule.staleness))
+            if puts and opts.mode == "delta" and self.delta is None:
+                self.delta = DeltaBase()
             manifest = self._sync_errors(step, last.id, lambda: publish(
                 w.export_buckets(opts.bucket_mib << 20), w.version, w.aliases(), put=puts, report=report,
-                corrupt=corrupt, after_put=mid, ring=self.ring, deadline_s=opts.timeout_s, mode=w.mode))
+                corrupt=corrupt, after_put=mid, ring=self.ring, deadline_s=opts.timeout_s, mode=w.mode,
+                delta=self.delta))
             if puts:
                 sp.bytes, sp.items = manifest.nbytes, len(manifest.entries)
                 self._board(step, last.id, "post", lambda b: b.post.remote(w.version, manifest, manifest.checksum,
@@ -307,11 +313,29 @@ class DAGWorker:
             (manifest, _, nbytes), newer = held, version > w.version or strict
         if newer:
             report = SyncReport("pull", version, load="map" if w.binds else "copy")
-            with self.rec.span(step, stage, "weight_sync", bytes=nbytes):
-                tensors = receive(manifest, self.s.weight_sync.timeout_s, report, self.slots, keep=w.binds)
-                self._sync_errors(step, stage, lambda: w.import_tensors(_timed(tensors, report), manifest))
+            with self.rec.span(step, stage, "weight_sync", bytes=nbytes) as sp:
+                patched, why_not = self._pull_delta(step, stage, manifest, report)
+                if not patched:
+                    tensors = receive(manifest, self.s.weight_sync.timeout_s, report, self.slots, keep=w.binds)
+                    self._sync_errors(step, stage, lambda: w.import_tensors(_timed(tensors, report), manifest))
+                    report.mode = why_not or report.mode
+                sp.bytes = report.nbytes
             self.syncs.append(report.row())
         return w.version
+
+    def _pull_delta(self, step: int, stage: str, manifest: Manifest, report: SyncReport) -> tuple[bool, str]:
+        """Reach `manifest`'s version by its delta, if it has one from the version we hold and our
+        engine takes deltas: (done, why not). A delta that does not check out (we did not hold its
+        base after all) is not done, and the caller loads the full version: the why goes in its
+        report's mode, never silently."""
+        w, d = self.engines.weights, manifest.delta
+        if d is None or d.base != w.version:
+            return False, ""
+        try:
+            return self._sync_errors(step, stage, lambda: w.import_delta(  # a timeout is named, not a fallback
+                manifest, lambda targets: apply_delta(manifest, targets, self.s.weight_sync.timeout_s, report))), ""
+        except WeightSyncMismatch as e:
+            return False, f"full after a failed delta ({e.summary})"
 
     def _sync_errors(self, step: int, stage: str, call: Callable[[], Any]) -> Any:
         """`call()`, with a weight sync's named errors re-raised naming this stage, worker and step."""

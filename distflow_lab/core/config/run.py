@@ -15,7 +15,8 @@ from pydantic import Field, model_validator
 
 from distflow_lab.core.config.base import Strict
 from distflow_lab.core.config.session import (ClusterOptions, Mode, ProfileOptions, ScheduleOptions, SessionConfig,
-                                              Switches, check_groups, check_schedule, check_switches)
+                                              Switches, WeightSyncOptions, check_groups, check_schedule,
+                                              check_switches)
 from distflow_lab.core.errors import ConfigError
 
 
@@ -373,6 +374,22 @@ SESSION_KEYS: tuple[str, ...] = ("mode", "seed", "cluster", "switches", "schedul
 """The session's keys a run config takes at its top level (flat), as well as under `session`."""
 
 
+def check_weight_sync(ws: WeightSyncOptions, engine: str, lora: bool) -> None:
+    """A rollout that must copy (vLLM processes what it loads; a LoRA policy is merged into W0) cannot
+    compute from a sync's buffers, nor be patched by a delta."""
+    why = "a LoRA policy is merged into the rollout's W0" if lora else \
+        f"rollout.engine={engine} processes the weights it loads" if engine != "hf" else None
+    if ws.load == "map" and why:
+        raise ConfigError(f"weight_sync.load=map needs an HF rollout of the full policy: {why}; use "
+                          "weight_sync.load=copy (or auto)")
+    if ws.mode == "delta" and why:
+        raise ConfigError(f"weight_sync.mode=delta patches an HF rollout's own weights: {why}; use "
+                          "weight_sync.mode=full")
+    if ws.mode == "delta" and ws.load == "map":
+        raise ConfigError("weight_sync.mode=delta patches the rollout's own weights, and load=map makes them "
+                          "the publisher's buffers: use weight_sync.load=copy (or auto)")
+
+
 def run_session() -> SessionConfig:
     """The session an RL run gets unless it says otherwise: two workers with torch.distributed (FSDP2
     trains over them), where a plain session has four and none. A key the run gives (flat or under
@@ -493,11 +510,7 @@ class RunConfig(Strict):
                               "rollout.multi_turn (or set tool_demos: 0)")
         if s.cluster.world_size > 1 and not s.cluster.torch_distributed:
             raise ConfigError("cluster.torch_distributed must be true with more than one worker (FSDP2 training)")
-        if s.weight_sync.load == "map" and (self.rollout.engine != "hf" or self.actor.lora):
-            why = "a LoRA policy is merged into the rollout's W0" if self.actor.lora else \
-                f"rollout.engine={self.rollout.engine} processes the weights it loads"
-            raise ConfigError(f"weight_sync.load=map needs an HF rollout of the full policy: {why}; use "
-                              "weight_sync.load=copy (or auto)")
+        check_weight_sync(s.weight_sync, self.rollout.engine, self.actor.lora is not None)
         check_switches(s.mode, s.switches)
         check_schedule(s.mode, s.schedule, self.groups)
         if self.actor.off_policy != "none" and not self.rollout.log_probs:

@@ -18,7 +18,11 @@ Paths (the reader is an HF rollout or a vLLM engine; each path is what the produ
 
 Loads (shm and groups, HF reader; `weight_sync.load`): `copy` copies each checked view into the
 model's own parameters; `map` makes the parameters the views themselves (the reader keeps the slot,
-or the object, until the next version): one copy in all, the publisher's.
+or the object, until the next version): one copy in all, the publisher's. `delta`
+(`weight_sync.mode: delta`, load copy): between syncs the publisher's policy changes in
+`DELTA_FRACTION` of each tensor's elements (3 %: the real model's bfloat16 updates change 2.1-4.9 %,
+benchmarks/results/probe_weight_delta.json); the reader, holding the version before, reads only the
+changes (`sent_mib`) and patches its own weights. GB/s and x memcpy count the policy's bytes.
 
 The `135m` policy has SmolLM2-135M's shapes (Llama, 30 layers, hidden 576, tied embedding:
 134.5M parameters, 513 MiB in float32), `59m` the 59M policy of the async bench; random init
@@ -52,7 +56,7 @@ from distflow_lab.models.tokenizer import build_char_tokenizer
 from distflow_lab.observe.bandwidth import memcpy_gbps
 from distflow_lab.runtime.cluster import connect
 from distflow_lab.runtime.shm_slots import SlotReader, SlotRing
-from distflow_lab.runtime.weight_transport import SyncReport, check_loaded, publish, receive
+from distflow_lab.runtime.weight_transport import DeltaBase, SyncReport, apply_delta, check_loaded, publish, receive
 from distflow_lab.runtime.weights import ring_slots
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
@@ -61,7 +65,8 @@ SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
     "tiny": (64, 2, 4, 2, 128, 260),
 }
 PATHS = ("shm", "groups", "colocated", "pickled")
-LOADS = ("copy", "map")
+LOADS = ("copy", "map", "delta")
+DELTA_FRACTION = 0.03
 RING_SLOTS = ring_slots(0)  # what a one_step_off run keeps
 SYNC_TIMEOUT_S = 300.0  # one sync of the largest policy takes seconds; a hang is an error, never a wait
 
@@ -98,21 +103,27 @@ class Reader:
             self.rollout = VLLMRollout(model_dir, tok, opts, 8, dtype=dtype, seed=0, sleep_at_start=False)
         self.slots = SlotReader(0)
         self.mem0 = _private_mib()
+        self.version = 0
 
     def next_path(self) -> None:
         """Memory growth counts from here; mappings of the last path's segments go."""
         self.slots.close()
         gc.collect()
-        self.mem0 = _private_mib()
+        self.mem0, self.version = _private_mib(), 0
 
     def pull(self, manifest: Any, load: str = "copy") -> dict:
         report = SyncReport("pull", manifest.version, load=load)
         loaded: set[str] = set()
         t0 = time.perf_counter()
-        tensors = receive(manifest, SYNC_TIMEOUT_S, report, self.slots, keep=load == "map")
-        buckets = ([(n, t)] for n, t in tensors if not loaded.add(n))
-        self.rollout.load_weights(buckets, bind=True) if load == "map" else self.rollout.load_weights(buckets)
+        if load == "delta" and manifest.delta is not None and manifest.delta.base == self.version:
+            own = self.rollout.model.state_dict(keep_vars=True)
+            loaded = apply_delta(manifest, {k: t.data for k, t in own.items()}, SYNC_TIMEOUT_S, report)
+        else:
+            tensors = receive(manifest, SYNC_TIMEOUT_S, report, self.slots, keep=load == "map")
+            buckets = ([(n, t)] for n, t in tensors if not loaded.add(n))
+            self.rollout.load_weights(buckets, bind=True) if load == "map" else self.rollout.load_weights(buckets)
         check_loaded(manifest, loaded)
+        self.version = manifest.version
         row = report.row()
         row["wall_s"] = time.perf_counter() - t0
         row["load_s"] = row["wall_s"] - row["read_s"] - row["verify_s"]  # the copies into the model
@@ -126,17 +137,30 @@ class Reader:
 
 
 def _groups(engine: TrainEngine, reader: Any, version: int, bucket_bytes: int, ring: SlotRing | None,
-            load: str) -> dict:
+            load: str, delta: DeltaBase | None = None) -> dict:
+    if delta is not None and version > 1:
+        _change(engine.model, DELTA_FRACTION, seed=version)
     rep = SyncReport("publish", version)
     t0 = time.perf_counter()
     m = publish(engine.weight_buckets(bucket_bytes, device="cpu"), version, engine.tied_aliases(), report=rep,
-                ring=ring, deadline_s=SYNC_TIMEOUT_S)
+                ring=ring, deadline_s=SYNC_TIMEOUT_S, delta=delta)
     pub = rep.row()
     pub_wall = time.perf_counter() - t0
     pull = ray.get(reader.pull.remote(m, load), timeout=SYNC_TIMEOUT_S)
-    return {"bytes": m.nbytes, "wall_s": pub_wall + pull["wall_s"], "gather_s": pub["gather_s"],
-            "write_s": pub["write_s"], "read_s": pull["read_s"], "verify_s": pub["verify_s"] + pull["verify_s"],
-            "load_s": pull["load_s"], "private_growth_mib": pull["private_growth_mib"]}
+    return {"bytes": m.nbytes, "sent": pull["bytes"], "wall_s": pub_wall + pull["wall_s"], "gather_s": pub["gather_s"],
+            "write_s": pub["write_s"] + pub["delta_s"], "read_s": pull["read_s"],
+            "verify_s": pub["verify_s"] + pull["verify_s"], "load_s": pull["load_s"],
+            "private_growth_mib": pull["private_growth_mib"]}
+
+
+@torch.no_grad()
+def _change(model: torch.nn.Module, fraction: float, seed: int) -> None:
+    """An update that changes `fraction` of each tensor's elements (at random positions)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        flat = p.view(-1)
+        at = torch.randint(flat.numel(), (max(1, int(fraction * flat.numel())),), generator=g)
+        flat[at] += (0.01 * torch.randn(at.numel(), generator=g)).to(p.dtype)
 
 
 def _pickled(engine: TrainEngine, reader: Any) -> dict:
@@ -174,15 +198,18 @@ def cells(name: str, dtype: str, paths: list[str], repeats: int, bucket_mib: int
     out: dict[tuple[str, str], list[dict]] = {}
     cases = [(path, load) for path in paths
              for load in (loads if path in ("shm", "groups") and engine_name == "hf" else ("copy",))]
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}  # a delta case changes the policy
     for path, load in cases:
         out[path, load] = []
         if reader is not None:
             ray.get(reader.next_path.remote(), timeout=SYNC_TIMEOUT_S)
         ring = SlotRing(RING_SLOTS) if path == "shm" else None
         warmups = RING_SLOTS if ring is not None else 1  # each slot's pages are faulted in by its first write
+        delta = DeltaBase() if load == "delta" else None
+        engine.model.load_state_dict(original)
         for v in range(1, repeats + warmups + 1):
             if path in ("shm", "groups"):
-                r = _groups(engine, reader, v, bucket_mib << 20, ring, load)
+                r = _groups(engine, reader, v, bucket_mib << 20, ring, load, delta)
             elif path == "pickled":
                 r = _pickled(engine, reader)
             else:
@@ -217,13 +244,16 @@ def run(models: list[str], dtypes: list[str], paths: list[str], repeats: int = 3
             parts = {k: summarize([s[k] for s in syncs])["median"]
                      for k in ("gather_s", "write_s", "read_s", "verify_s", "load_s") if k in syncs[0]}
             records.append({"engine": engine_name, "model": name, "dtype": dtype, "path": path, "load": load,
-                            "mib": nbytes / 2**20, "s_per_update": summarize([s["wall_s"] for s in syncs]),
+                            "mib": nbytes / 2**20,
+                            "sent_mib": summarize([s.get("sent", nbytes) / 2**20 for s in syncs])["median"],
+                            "s_per_update": summarize([s["wall_s"] for s in syncs]),
                             "gbps": gbps, "x_memcpy": gbps["median"] / memcpy, "memcpy_gbps": memcpy, **parts,
                             "private_growth_mib": max(s["private_growth_mib"] for s in syncs)})
     rows = [{**r, "s_per_update": r["s_per_update"]["median"], "gbps_min": r["gbps"]["min"],
              "gbps_max": r["gbps"]["max"], "gbps": r["gbps"]["median"]} for r in records]
     shutil.rmtree(workdir, ignore_errors=True)
-    print_table(rows, ["engine", "model", "dtype", "path", "load", "mib", "s_per_update", "gbps", "gbps_min", "gbps_max",
+    print_table(rows, ["engine", "model", "dtype", "path", "load", "mib", "sent_mib", "s_per_update", "gbps",
+                       "gbps_min", "gbps_max",
                        "x_memcpy", "write_s", "read_s", "verify_s", "load_s", "private_growth_mib"],
                 title=f"weight sync, {repeats} syncs a cell (median; min/max GB/s); memcpy {memcpy:.2f} GB/s")
     write_json(records, json_path)
