@@ -427,8 +427,9 @@ def parser() -> argparse.ArgumentParser:
                     help="shm / groups: worker groups through shared memory / the object store")
     ws.add_argument("--engine", type=modes_list(("hf", "vllm"), "engine"), default=("hf",),
                     help="the reader's rollout engine(s); vllm: the shm and groups paths")
-    ws.add_argument("--loads", type=modes_list(("copy", "map"), "load"), default=("copy", "map"),
-                    help="HF reader, shm and groups: copy into its weights, or map them (weight_sync.load)")
+    ws.add_argument("--loads", type=modes_list(("copy", "map", "delta"), "load"), default=("copy", "map", "delta"),
+                    help="HF reader, shm and groups: copy into its weights, map them (weight_sync.load), or "
+                         "patch them (weight_sync.mode delta)")
     ws.add_argument("--repeats", type=positive, default=3, help="syncs per cell after one warm-up")
     ws.add_argument("--bucket-mib", type=positive, default=256, help="worker groups' bucket size")
     for p in (d, bl, s, m, e, co, cl, asy, mb, so, pe, mx, ws):

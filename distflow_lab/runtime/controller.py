@@ -520,8 +520,9 @@ class Controller:
         return pd.DataFrame(self.metric_rows)
 
     def weight_syncs(self) -> pd.DataFrame:
-        """One row per weight sync: worker groups' SyncReports (side publish / pull, with the parts
-        gather, write, read, load, verify) and colocated syncs' weight_sync spans (side colocated,
+        """One row per weight sync: worker groups' SyncReports (side publish / pull; mode full, lora or
+        delta; transport shm or object_store; a pull's load, copy or map; bytes; the parts gather,
+        write, read, load, verify, delta) and colocated syncs' weight_sync spans (side colocated,
         total seconds only)."""
         rows = []
         for rep in [*self.history, *([StepReport(self.step_index, self.mode, self._current, 0.0)]
