@@ -24,7 +24,7 @@ from distflow_lab.models.rollout_hf import HFRollout
 from distflow_lab.models.tokenizer import build_char_tokenizer
 from distflow_lab.runtime.shm_slots import SlotReader, SlotRing
 from distflow_lab.runtime.weight_transport import (DeltaBase, Manifest, SyncReport, apply_delta, check_loaded,
-                                                   fingerprint, publish, read_state, receive)
+                                                   fingerprint, patch_targets, publish, read_state, receive)
 
 CARRIERS = ("object_store", "shm")
 
@@ -230,15 +230,14 @@ def test_a_delta_carries_only_what_changed_and_a_reader_off_its_base_is_caught(r
     counts = {d.name: d.count for d in m.delta.entries}
     assert m.delta.base == 1 and counts == {names[embed]: -(-embed.numel() // 100), names[whole]: -1}, counts
     assert m.delta.nbytes < m.nbytes / 10
-    targets = dict(reader.state_dict(keep_vars=True))
-    assert apply_delta(m, {k: t.data for k, t in targets.items()}, 30.0) == m.names
+    assert apply_delta(m, patch_targets(reader), 30.0) == m.names
     assert all(torch.equal(reader.state_dict()[k], v) for k, v in model.state_dict().items())  # bit for bit
     same = _publish(trainer, version=3, delta=base)
     assert same.delta.entries == () and same.delta.nbytes == 0  # nothing changed, nothing sent
     stranger = build_tiny_qwen2(tok, TinySpec(), seed=4).to(torch.bfloat16)
     off_base = r"policy v2: .* after the delta from v1: .* \(did the reader hold v1\?\)"
     with pytest.raises(WeightSyncMismatch, match=off_base):
-        apply_delta(m, {k: t.data for k, t in stranger.state_dict(keep_vars=True).items()}, 30.0)
+        apply_delta(m, patch_targets(stranger), 30.0)
 
 
 @pytest.mark.budget(30, reason="two 3-step sessions on worker groups: full and delta")

@@ -29,7 +29,7 @@ from distflow_lab.models.model_dir import load_model_dir
 from distflow_lab.models.rollout import RolloutEngine, make_rollout
 from distflow_lab.runtime.context import StageContext
 from distflow_lab.runtime.engines import Checkpointable
-from distflow_lab.runtime.weight_transport import Bucket, Manifest, check_loaded
+from distflow_lab.runtime.weight_transport import Bucket, Manifest, check_loaded, patch_targets
 from distflow_lab.runtime.weights import PolicyWeights, state_checksum
 
 TRAIN_ROLES = {"actor", "reference", "critic"}
@@ -199,7 +199,7 @@ class RolloutWeights:
                  lora: LoraMerge | None = None, binds: bool = False, patches: bool = False) -> None:
         self.rollout, self.policy, self.lora, self.binds = rollout, policy, lora, binds
         self.mode = "lora" if lora is not None else "full"
-        self.model = model if patches else None  # weight_sync.mode "delta": the HF model a delta patches
+        self.patches = patches  # weight_sync.mode "delta": an HF rollout whose own weights a delta patches
         self._sum = state_checksum(model.state_dict()) if model is not None else 0.0
 
     @property
@@ -228,10 +228,9 @@ class RolloutWeights:
         self.policy.version, self._sum = manifest.version, manifest.checksum
 
     def import_delta(self, manifest: Manifest, patch: Callable[[dict[str, torch.Tensor]], set[str]]) -> bool:
-        if self.model is None:
+        if not self.patches:
             return False
-        own = self.model.state_dict(keep_vars=True)  # the parameters themselves (tied names: one tensor)
-        check_loaded(manifest, patch({name: t.data for name, t in own.items()}))
+        check_loaded(manifest, patch(patch_targets(self.rollout.model)))  # type: ignore[attr-defined]
         self.policy.version, self._sum = manifest.version, manifest.checksum
         return True
 

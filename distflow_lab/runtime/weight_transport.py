@@ -235,19 +235,20 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
             bucket = next(it, None)
         if bucket is None:
             break
-        arrays = []
+        names, arrays = [], []
         with report.part("verify"):
             for name, t in bucket:
                 if name in aliases:
                     continue
                 entries.append(TensorEntry(name, len(refs), len(arrays), tuple(t.shape),
                                            str(t.dtype).removeprefix("torch."), fingerprint(t)))
+                names.append(name)
                 arrays.append(_as_numpy(t))
                 nbytes += t.numel() * t.element_size()
         if put and arrays:
             if changes is not None:
                 with report.part("delta"):
-                    changes.add([e.name for e in entries[-len(arrays):]], arrays)
+                    changes.add(names, arrays)
             if corrupt == len(refs):  # a bit flipped in every byte of its first tensor, after the fingerprint
                 arrays[0] = (arrays[0].view(np.uint8) ^ 0x40).view(arrays[0].dtype)
             with report.part("write"):
@@ -332,6 +333,11 @@ def apply_delta(manifest: Manifest, targets: dict[str, torch.Tensor], deadline_s
                                 f"after the delta from v{delta.base}: fingerprint {got!r} != published "
                                 f"{e.fingerprint!r} (did the reader hold v{delta.base}?)")
     return set(entries) | set(manifest.aliases)
+
+
+def patch_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s own tensors by state-dict name, as `apply_delta` patches them (tied names: one tensor)."""
+    return {name: t.data for name, t in model.state_dict(keep_vars=True).items()}
 
 
 def _patch(version: int, targets: dict[str, torch.Tensor], e: TensorEntry, d: DeltaEntry,

@@ -56,7 +56,8 @@ from distflow_lab.models.tokenizer import build_char_tokenizer
 from distflow_lab.observe.bandwidth import memcpy_gbps
 from distflow_lab.runtime.cluster import connect
 from distflow_lab.runtime.shm_slots import SlotReader, SlotRing
-from distflow_lab.runtime.weight_transport import DeltaBase, SyncReport, apply_delta, check_loaded, publish, receive
+from distflow_lab.runtime.weight_transport import (DeltaBase, SyncReport, apply_delta, check_loaded, patch_targets,
+                                                   publish, receive)
 from distflow_lab.runtime.weights import ring_slots
 
 SHAPES = {  # hidden, layers, heads, kv heads, intermediate, vocab
@@ -116,8 +117,7 @@ class Reader:
         loaded: set[str] = set()
         t0 = time.perf_counter()
         if load == "delta" and manifest.delta is not None and manifest.delta.base == self.version:
-            own = self.rollout.model.state_dict(keep_vars=True)
-            loaded = apply_delta(manifest, {k: t.data for k, t in own.items()}, SYNC_TIMEOUT_S, report)
+            loaded = apply_delta(manifest, patch_targets(self.rollout.model), SYNC_TIMEOUT_S, report)
         else:
             tensors = receive(manifest, SYNC_TIMEOUT_S, report, self.slots, keep=load == "map")
             buckets = ([(n, t)] for n, t in tensors if not loaded.add(n))
