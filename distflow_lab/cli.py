@@ -243,7 +243,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def cmd_soak(a: argparse.Namespace) -> int:
     fresh_file(a.json, a.overwrite)
-    if all(m == "centralized" for m in a.mode) and all(x != "sync" for x in a.schedule):
+    if all(m == "centralized" for m in a.mode) and all(SCHEDULES[x].needs_groups for x in a.schedule):
         raise UsageError(f"--schedule {','.join(a.schedule)} needs the coordinator or distributed data plane; "
                          "--mode centralized runs sync only")
     if a.override:

@@ -9,15 +9,15 @@ from __future__ import annotations
 import time
 
 import pytest
-import ray
 
 import distflow_lab as lab
 from distflow_lab.api.runner import load_run_config, train
-from distflow_lab.core.config import ScheduleOptions
+from distflow_lab.core.config import SCHEDULES, ScheduleOptions
 from distflow_lab.core.errors import ConfigError, PolicyNotPublished, SessionBroken, StaleBatches, WorkerLost
 from distflow_lab.dataplane.interface import EndOfStep
 from distflow_lab.runtime import faults
-from distflow_lab.runtime.schedules import Dispatch, Lanes
+from distflow_lab.runtime.schedule import Dispatch, ScheduleSetup
+from distflow_lab.runtime.schedules import Lanes
 
 GROUPS = {"rollout": 2, "train": 2}
 
@@ -142,11 +142,42 @@ def test_one_step_off_learns_the_arithmetic_task(ray_cluster, tmp_path_factory, 
     assert (m["schedule/staleness"].iloc[2:] == 1).all()  # one step off, every step after the first
 
 
+# ---- a schedule is one file and one row ----------------------------------------------------
+
+
+def test_a_schedule_is_one_file_and_one_row(ray_cluster):
+    """tests/example_schedule.py (sync with a delay: a row and a class) runs through the
+    controller like the built-in ones: the same metrics as sync, its own metric, its state in a
+    checkpoint, and the row's facts read by the config checks."""
+    from distflow_lab.runtime.schedule import RUNNERS
+    from tests import example_schedule  # noqa: F401  (its row and its class register themselves)
+
+    try:
+        runs = {}
+        s = lab.session(lab.synthetic_grpo(batch_size=8, n=2, max_response_len=16), world_size=2, mode="coordinator")
+        try:
+            runs["sync"] = s.run(3, progress=False)
+            s.reopen(schedule="sync_delayed")
+            runs["delayed"] = s.run(3, progress=False)
+            state = s.controller.schedule.state()
+        finally:
+            s.close()
+        same = ["reward/mean", "actor/tokens", "actor/adv_mean"]
+        assert runs["sync"][same].equals(runs["delayed"][same])
+        assert runs["delayed"]["schedule/waited_s"].iloc[1:].gt(0).all()  # it did wait between updates
+        assert state == {"kind": "sync_delayed", "next_batch": 3, "keep_versions": []}
+        with pytest.raises(ValueError, match="partial_rollout has no meaning for schedule 'sync_delayed'"):
+            ScheduleOptions(kind="sync_delayed", partial_rollout=True)
+    finally:
+        SCHEDULES.pop("sync_delayed"), RUNNERS.pop("sync_delayed")
+
+
 # ---- nothing loops forever ---------------------------------------------------------------
 
 
 class InstantWorkers:
-    """A Dispatch for Lanes without workers: every segment call answers at once (ray.put).
+    """A Dispatch for Lanes without workers or Ray: every segment call answers at once (a "ref" is
+    its answer).
     The trainers `bump` the policy version each update (True), hold a policy they never
     advance (False), or have no weights engine (None); generation pulls what was published."""
 
@@ -163,20 +194,22 @@ class InstantWorkers:
             self.published = self.version
             answer = {"results": [], "version": self.version if self.bump is not None else None,
                       "version_before": before, "checksum": 0.0}
-        return [ray.put(answer) for _ in workers]
+        return [dict(answer) for _ in workers]
 
     def dispatch(self, timeouts: dict[str, float] | None = None) -> Dispatch:
-        return Dispatch(call=self.call, gather=lambda refs, step, stage, limit, workers: ray.get(refs, timeout=limit),
-                        abort=lambda step, reason: self.aborted.append(step),
+        return Dispatch(call=self.call, gather=lambda refs, step, stage, limit, workers: refs,
+                        wait=lambda refs, n, timeout: (list(refs), []), failed=lambda done: False,
+                        now=time.monotonic, abort=lambda step, reason: self.aborted.append(step),
                         end_step=lambda step: EndOfStep(0.0, []),
                         timeout=lambda st: (timeouts or {}).get(st.id, 30.0))
 
 
 def lanes(workers: InstantWorkers, kind: str = "one_step_off", timeouts: dict[str, float] | None = None) -> Lanes:
-    return Lanes(dag().plan(4), "coordinator", ScheduleOptions(kind=kind), workers.dispatch(timeouts), start=0)
+    options = ScheduleOptions(kind=kind)
+    return Lanes(ScheduleSetup(dag().plan(4), "coordinator", options, workers.dispatch(timeouts), None, 0))
 
 
-def test_a_segment_deadline_is_the_sum_of_its_stage_timeouts(ray_cluster):
+def test_a_segment_deadline_is_the_sum_of_its_stage_timeouts():
     timeouts = {"data": 1.0, "rollout": 20.0, "reward": 3.0, "advantage": 4.0, "old_log_prob": 50.0,
                 "ref_log_prob": 60.0, "actor_update": 70.0}
     ln = lanes(InstantWorkers(bump=True), timeouts=timeouts)
@@ -187,7 +220,7 @@ def test_a_segment_deadline_is_the_sum_of_its_stage_timeouts(ray_cluster):
     assert ln.train.deadline - ln.train.started == pytest.approx(50 + 60 + 70)  # old_log_prob, ref_log_prob, update
 
 
-def test_lanes_count_one_update_per_step_when_the_policy_advances(ray_cluster):
+def test_lanes_count_one_update_per_step_when_the_policy_advances():
     ln = lanes(InstantWorkers(bump=True))
     reports = [ln.step() for _ in range(4)]
     assert [r.step for r in reports] == [0, 1, 2, 3]
@@ -195,7 +228,7 @@ def test_lanes_count_one_update_per_step_when_the_policy_advances(ray_cluster):
     assert all(r.metrics["schedule/staleness"] <= 1 for r in reports)
 
 
-def test_lanes_raise_when_an_update_does_not_advance_the_policy(ray_cluster):
+def test_lanes_raise_when_an_update_does_not_advance_the_policy():
     ln = lanes(InstantWorkers(bump=False))
     with pytest.raises(PolicyNotPublished, match=r"training update 0 \(batch 0\) left the policy at version 0 on "
                                                  r"worker 2; update 0 must leave it at version 1.*'actor_update'"):
@@ -204,7 +237,7 @@ def test_lanes_raise_when_an_update_does_not_advance_the_policy(ray_cluster):
     assert ln.updates == 0  # the update is not counted
 
 
-def test_lanes_bound_the_batches_dropped_in_a_row(ray_cluster):
+def test_lanes_bound_the_batches_dropped_in_a_row():
     """No weights engine on the trainers: the version never moves, so after k updates every
     batch is too stale. Dropping them would go on for ever: it stops after max(2, k + 1)."""
     ln = lanes(InstantWorkers(bump=None), kind="one_step_off")  # k = 1

@@ -33,6 +33,7 @@ from distflow_lab.dataplane.interface import DataPlane, Routing
 from distflow_lab.dataplane.partition import workload_coeffs
 from distflow_lab.graph.dag import DAG
 from distflow_lab.runtime.controller import Controller
+from distflow_lab.runtime.schedules import segments
 
 PLANES: dict[str, Callable[[], DataPlane]] = {p.mode: p for p in (CentralizedPlane, CoordinatorPlane, DistributedPlane)}
 assert tuple(sorted(PLANES)) == tuple(sorted(MODES)), "one data plane per mode"
@@ -331,8 +332,8 @@ class Session:
         """Per training update: the trained samples by how many policy versions they lagged."""
         from distflow_lab.observe.schedule_figures import staleness_figure
 
-        lanes = self.controller.lanes
-        first = self.plan.stages[lanes.train_stages[0]].id if lanes else self.plan.stages[-1].id
+        first = self.plan.stages[segments(self.plan, self.config.schedule.kind)[1][0]].id if self.plan.groups \
+            else self.plan.stages[-1].id  # the first training stage
         return staleness_figure(self.items(), first, self.config.schedule.staleness)
 
     def trajectories(self):

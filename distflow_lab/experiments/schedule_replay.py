@@ -50,11 +50,12 @@ update - the version that decoded it.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -74,30 +75,39 @@ TRAIN_ROLES = ("actor", "reference", "critic", "values")  # colocated: training 
 class ScheduleSpec:
     """One schedule to replay (validated by the session's own `ScheduleOptions`)."""
 
-    kind: str
-    k: int
-    partial: bool = False
-    on_stale: str = "drop"
+    schedule: ScheduleOptions
 
     @property
-    def ahead(self) -> int:
-        """Batches generation may run ahead (schedules.Lanes.ahead)."""
-        return min(self.k, 1) if self.partial else self.k
+    def kind(self) -> str:
+        return self.schedule.kind
+
+    @property
+    def k(self) -> int:
+        return self.schedule.staleness
+
+    @property
+    def partial(self) -> bool:
+        return self.schedule.partial_rollout
+
+    @property
+    def on_stale(self) -> str:
+        return self.schedule.on_stale
 
     @property
     def name(self) -> str:
-        if self.kind != "async":
+        if not SCHEDULES[self.kind].partial_rollout:  # no options of its own
             return self.kind
-        return f"async k={self.k}" + (" + partial" if self.partial else "") + (
+        return f"{self.kind} k={self.k}" + (" + partial" if self.partial else "") + (
             f" ({self.on_stale})" if self.on_stale != "drop" else "")
 
     @property
     def options(self) -> dict:
         """For `Session.reopen(schedule=..., **options)`."""
-        if self.kind != "async":
-            return {"schedule": self.kind}
-        return {"schedule": "async", "max_staleness": self.k, "partial_rollout": self.partial,
-                "on_stale": self.on_stale}
+        o = self.schedule
+        if not SCHEDULES[self.kind].partial_rollout:
+            return {"schedule": o.kind}
+        return {"schedule": o.kind, "max_staleness": o.max_staleness, "partial_rollout": o.partial_rollout,
+                "on_stale": o.on_stale}
 
 
 def _from_string(text: str) -> tuple[str, dict]:
@@ -130,7 +140,7 @@ def parse_schedule(x: Any) -> ScheduleSpec:
             what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             raise ConfigError(f"schedule {x!r}: {where}: {what} (kinds: {', '.join(SCHEDULES)}; async options: "
                               f"max_staleness, partial_rollout, on_stale)") from None
-    return ScheduleSpec(opts.kind, opts.staleness, opts.partial_rollout, opts.on_stale)
+    return ScheduleSpec(opts)
 
 
 def parse_schedules(schedule: Any) -> list[ScheduleSpec]:
@@ -473,8 +483,10 @@ def _cycle(n: int, skip: int) -> Iterator[int]:
         yield from range(min(skip, n - 1), n)
 
 
-class Pipeline:
-    """The two lanes of `runtime/schedules.Lanes` in simulated time, for one schedule."""
+class SegmentCosts:
+    """The cost model of one schedule's replay: what a generation segment and a training segment
+    take, in simulated time, from the recording (the fits above) and the streaming decoder's rules.
+    `runtime/schedules.Lanes` decides when each runs (experiments/sim_dispatch.py calls these)."""
 
     def __init__(self, rec: LaneRecording, spec: ScheduleSpec, skip: int = 1) -> None:
         self.rec, self.spec = rec, spec
@@ -490,6 +502,9 @@ class Pipeline:
                                  "the recording has none")
             self.decoders = [_Decoder(self._lengths(i, n), rec.prompt_tokens) for i in range(ranks)]
         self.batch_ix = _cycle(n, self.skip)
+        self.generated: dict[int, _Gen] = {}  # batch -> what its generation made
+        self.trained: dict[int, float] = {}  # batch -> its training lane's seconds (to the publish)
+        self.stale = 0  # sequences aged out (dropped or restarted) by the rollouts
 
     def _lengths(self, rank: int, n: int) -> Iterator[np.ndarray]:
         for i in _cycle(n, self.skip):
@@ -500,17 +515,21 @@ class Pipeline:
     def _value(self, col: str, i: int) -> float:
         return float(self.cols[col][i])
 
-    # one generation lane
-    def _generate(self, r: int, now: float, version: int, trains_by: int, publish_at: float | None) -> _Gen:
+    def generate(self, r: int, now: float, version: int, trains_by: int, published: Callable[[float], int]
+                 ) -> tuple[float, int]:
+        """Generation of batch r from `now` at `version`: (its end, its oldest token's version)."""
         i = next(self.batch_ix)
         if self.decoders is None:
             rows = int(self._value("rows", i))
-            return _Gen(r, i, version, np.full(rows, version), Counter({version: self._value("tokens", i)}),
-                        self._value("tokens", i), now + self._value("gen_s", i), now)
+            g = _Gen(r, i, version, np.full(rows, version), Counter({version: self._value("tokens", i)}),
+                     self._value("tokens", i), now + self._value("gen_s", i), now)
+        else:
+            g = self._generate_partial(r, i, now, version, trains_by, published)
+        self.generated[r], self.stale = g, self.stale + g.stale
+        return g.end, g.version_min
 
-        def published(t: float) -> int:  # at most one update ends during a partial generation (ahead <= 1)
-            return version + int(publish_at is not None and publish_at <= t)
-
+    def _generate_partial(self, r: int, i: int, now: float, version: int, trains_by: int,
+                          published: Callable[[float], int]) -> _Gen:
         other = self._value("gen_s", i) - self._value("rollout_s", i)
         rows_v, tv, tokens, end, stale = [], Counter(), 0.0, now, 0
         for dec in self.decoders:
@@ -528,50 +547,48 @@ class Pipeline:
                 tokens += s.prompt + s.length
         return _Gen(r, i, version, np.asarray(rows_v, np.int64), tv, tokens, end + other, now, stale)
 
-    def _train_s(self, g: _Gen) -> tuple[float, float]:
-        """(lane seconds, driver gap after it) for a generated batch: as recorded for the same
-        batch, or from the fit for a partial batch (other sequences)."""
+    def train(self, r: int, now: float) -> tuple[float, float]:
+        """Training on batch r from `now`: (when it publishes the policy, when its lane ends). Its
+        seconds as recorded for the same batch, or from the fit for a partial batch (other
+        sequences); then the driver's gap, paid on the trainer's path."""
+        g = self.generated[r]
         if self.decoders is None:
-            return self._value("train_s", g.ix), self._value("gap_s", g.ix)
-        a, b = self.rec.train_fit
-        return a + b * g.tokens, float(np.median(self.cols["gap_s"][self.skip:]))
+            t_s, gap = self._value("train_s", g.ix), self._value("gap_s", g.ix)
+        else:
+            a, b = self.rec.train_fit
+            t_s, gap = a + b * g.tokens, float(np.median(self.cols["gap_s"][self.skip:]))
+        self.trained[r] = t_s
+        return now + t_s, now + t_s + gap
 
-    def run(self, updates: int) -> tuple[pd.DataFrame, dict]:
-        """`updates` training updates from a cold start; one row per update, and totals."""
-        k, ahead = self.spec.k, self.spec.ahead
-        now, u, nb, last = 0.0, 0, 0, 0.0
-        ready: deque[_Gen] = deque()
-        gen: _Gen | None = None
-        train: tuple[_Gen, int, float, float, float] | None = None  # (batch, update, start, publish, end)
-        rows, dropped, stale = [], 0, 0
-        busy_gen = []
-        while u < updates:
-            while train is None and ready:
-                g = ready.popleft()
-                if u - g.version_min > k:
-                    dropped += 1
-                    continue
-                t_s, gap = self._train_s(g)
-                train = (g, u, now, now + t_s, now + t_s + gap)
-            n_ahead = len(ready) + (train is not None)
-            if gen is None and n_ahead <= ahead:
-                gen = self._generate(nb, now, u, u + n_ahead, train[3] if train else None)
-                nb += 1
-            if gen is None and train is None:
-                raise RuntimeError("nothing to run (a bug in the pipeline model)")
-            now = min(gen.end if gen else math.inf, train[4] if train else math.inf)
-            if gen is not None and gen.end <= now:
-                ready.append(gen)
-                busy_gen.append((gen.start, gen.end))
-                stale += gen.stale
-                gen = None
-            if train is not None and train[4] <= now:
-                g, upd, start, publish, end = train
-                rows.append(_update_row(g, upd, now - last, publish - start, now))
-                last, u, train = now, u + 1, None
-        table = pd.DataFrame(rows)
-        table["rollout_busy_s"] = _busy_per_update(table, busy_gen)
-        return table, {"dropped_batches": dropped, "stale_sequences": stale}
+
+def run_schedule(rec: LaneRecording, spec: ScheduleSpec, updates: int, skip: int = 1) -> tuple[pd.DataFrame, dict]:
+    """`updates` training updates of `spec` from a cold start: the scheduler's own `Lanes` in
+    simulated time over this recording's costs. One row per update, and totals."""
+    from distflow_lab.experiments.sim_dispatch import SimDispatch
+    from distflow_lab.runtime.schedule import ScheduleSetup
+    from distflow_lab.runtime.schedules import Lanes
+
+    costs = SegmentCosts(rec, spec, skip)
+    sim = SimDispatch(costs)
+    lanes = Lanes(ScheduleSetup(_two_groups(), "replay", spec.schedule, sim.dispatch(), None, 0))
+    rows, busy = [], []
+    for _ in range(updates):
+        report = lanes.step()
+        m = report.metrics
+        g = costs.generated[int(m["schedule/batch"])]
+        rows.append(_update_row(g, report.step, report.wall_seconds, costs.trained[g.batch], sim.now))
+        busy.append((1 - m["schedule/rollout_idle"]) * report.wall_seconds)
+    table = pd.DataFrame(rows)
+    table["rollout_busy_s"] = busy
+    return table, {"dropped_batches": lanes.stats.dropped, "stale_sequences": costs.stale}
+
+
+@functools.lru_cache(maxsize=1)
+def _two_groups():
+    """A plan on two groups of one worker (generation, training): what Lanes runs in a replay."""
+    from distflow_lab.experiments.synthetic import synthetic_grpo
+
+    return synthetic_grpo(batch_size=2, n=1, groups={"rollout": 1, "train": 1}).plan(2)
 
 
 def _update_row(g: _Gen, update: int, wall: float, train_s: float, end: float) -> dict:
@@ -581,12 +598,6 @@ def _update_row(g: _Gen, update: int, wall: float, train_s: float, end: float) -
             "staleness": update - g.version_min,
             "row_staleness": Counter((update - g.row_versions).tolist()),
             "token_staleness": Counter({update - v: c for v, c in g.token_versions.items()})}
-
-
-def _busy_per_update(table: pd.DataFrame, busy: list[tuple[float, float]]) -> list[float]:
-    ends = table["end_s"].to_numpy()
-    starts = np.r_[0.0, ends[:-1]]
-    return [sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in busy) for t0, t1 in zip(starts, ends)]
 
 
 def distribution(counts: Iterable[Counter]) -> pd.Series:
@@ -675,7 +686,7 @@ def replay_schedules(source: Any, schedule: Any = ("sync", "one_step_off", "asyn
         raise ValueError(f"updates={updates} leaves nothing after the {skip} warm-up updates (skip)")
     tables, rows, dists = [], [], []
     for spec in specs:
-        t, totals = Pipeline(rec, spec, skip).run(updates)
+        t, totals = run_schedule(rec, spec, updates, skip)
         tables.append(t.assign(schedule=spec.name))
         rows.append(_summarize(spec, t, totals, skip))
         m = t[t["update"] >= skip]

@@ -182,9 +182,10 @@ def open_soak_session(mode: str, schedule: str, engine: str, seed: int, max_stal
     # its faults kill processes: the run starts its own workers (never the worker pool's) and ends them
     opts: dict[str, Any] = {"mode": mode, "schedule": schedule, "seed": seed, "stage_timeout_s": stage_timeout_s,
                             "fresh_workers": True}
-    if schedule == "async":
+    facts = SCHEDULES[schedule]
+    if facts.partial_rollout:  # it takes a staleness bound of the run's own
         opts.update(max_staleness=max_staleness, partial_rollout=partial_rollout)
-    groups = None if schedule == "sync" else {"rollout": 1, "train": 1}
+    groups = {"rollout": 1, "train": 1} if facts.needs_groups else None
     if engine == "synthetic":
         dag = synthetic_grpo(batch_size=8, n=4, max_prompt_len=32, max_response_len=32, groups=groups,
                              rollout_tp=1 if groups else 2)
@@ -203,7 +204,7 @@ def kinds_for(mode: str, schedule: str) -> list[str]:
         out.append("buffer")
     if mode == "coordinator":
         out.append("coordinator")
-    if schedule != "sync":
+    if SCHEDULES[schedule].needs_groups:  # weights travel between groups
         out += ["board", "sync_corrupt", "sync_publisher"]
     return out
 
@@ -454,7 +455,7 @@ def soak(mode: str = "distributed", schedule: str = "sync", engine: str = "synth
             session.close()
         if name == "undisturbed" and (run.stopped or run.raw_exceptions):
             raise SoakFailed(f"the undisturbed run failed: {run.stopped or run.raw_exceptions[0]}")
-    audit(r, books["soak"], None if schedule == "sync" else k)
+    audit(r, books["soak"], k if facts.needs_groups else None)
     if compare_undisturbed:
         compare(r, books["soak"], books["undisturbed"])
     r.wall_s = time.time() - t0
@@ -476,7 +477,8 @@ def check(mode: str, schedule: str, engine: str, steps: int, fault_every: float,
         raise ConfigError(f"soak: engine {engine!r} is not one of {list(ENGINES)}")
     check_schedule(mode, ScheduleOptions(kind=schedule))  # the centralized plane cannot overlap steps
     if partial_rollout and not SCHEDULES[schedule].partial_rollout:
-        raise ConfigError(f"soak: partial rollouts run under schedule 'async' only, not {schedule!r}")
+        takes = " or ".join(repr(n) for n, f in SCHEDULES.items() if f.partial_rollout)
+        raise ConfigError(f"soak: partial rollouts run under schedule {takes} only, not {schedule!r}")
     if steps < 2 or checkpoint_every < 1 or fault_every < 0:
         raise ConfigError(f"soak: steps must be >= 2 (got {steps}), checkpoint_every >= 1 (got {checkpoint_every}), "
                           f"fault_every >= 0 (got {fault_every})")
@@ -492,8 +494,8 @@ def run(modes: list[str], schedules: list[str], engines: list[str], steps: int, 
     for engine in engines:
         for schedule in schedules:
             for mode in modes:
-                if schedule != "sync" and mode == "centralized":
-                    continue
+                if SCHEDULES[schedule].needs_groups and mode == "centralized":
+                    continue  # the centralized plane cannot overlap steps
                 rep = soak(mode, schedule, engine, steps, fault_every, seed, max_staleness,
                            overrides=overrides if engine != "synthetic" else ())
                 reports.append({**rep.to_dict(), "overrides": list(overrides) if engine != "synthetic" else []})

@@ -1,19 +1,18 @@
-"""The controller: one per session, for every data plane.
+"""The controller: one per session, for every data plane and every schedule.
 
-It owns the cursor (step, next stage), stage dispatch, turning remote failures
-into named errors, retry and rewind, checkpoints, spans and the ledger. It
-holds a data plane (`dataplane.interface.DataPlane`) and never asks which one:
+It holds a data plane (`dataplane.interface.DataPlane`) and a schedule
+(`runtime.schedule.Schedule`, named by `schedule.kind`) and asks neither which one it is.
+It owns the cursor (the updates done), places and starts the workers, builds the
+schedule's `Dispatch` (calls to workers, the one gather of runtime/gather.py, the data
+plane's step ends, recovery), records every finished update in one place (`_record`:
+history, metrics, ledger), turns a failure into the session's state by the schedule's
+own rule (`Schedule.failed`), and writes and loads checkpoints (the schedule's part is
+`Schedule.state()`).
 
-    step():  plane.begin_step
-             whole step on every worker (the driver moves no data), or stage by stage:
-                 args = plane.stage_args -> workers run the stage -> plane.stage_done
-             plane.end_step -> StepReport, recorded (history, metrics, ledger) by _record
-    on worker groups: Lanes (runtime/schedules.py) runs the schedule through a Dispatch
-             (start calls, gather, abort, end a step) and returns each update's StepReport,
-             recorded by the same _record
-    failure: abort the step everywhere -> wait (bounded) for the workers to leave it
-             -> plane.reset_step + workers rewind -> retry once (a lost data-plane actor,
-             before any training stage), or raise the named error
+    step():  schedule.step() -> StepReport -> _record
+             (sync, runtime/schedule_sync.py: plane.begin_step, the stages, plane.end_step;
+              one_step_off / async, runtime/schedules.py: Lanes on two worker groups)
+    failure: schedule.failed(err) -> None (the same update can run again) or why the session is broken
 
 The driver keeps only metadata: step reports (timings, counts, metrics). It
 counts the pickled bytes of everything workers send it (`bytes_to_driver`), so a
@@ -21,11 +20,9 @@ test can show which modes move payloads through it.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pickle
-import re
 import shutil
 import time
 import uuid
@@ -36,12 +33,11 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError
 from tqdm.auto import tqdm
 
 from distflow_lab.core.config import SessionConfig, WeightSyncOptions, check_groups, check_schedule
-from distflow_lab.core.errors import (CheckpointError, PlaneLost, SessionBroken, StageError,
-                                      StageTimeout, WorkerLost)
+from distflow_lab.core.errors import CheckpointError, PlaneLost, SessionBroken, StageError
 from distflow_lab.core.spans import spans_to_frame
 from distflow_lab.dataplane.interface import DataPlane, PlaneSetup, Routing
 from distflow_lab.datasets.loader import check_data_node
@@ -52,8 +48,10 @@ from distflow_lab.runtime.context import stage_context
 from distflow_lab.runtime.profiling import ProfileSpec
 from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
-from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport, stage_reports
-from distflow_lab.runtime.schedules import Dispatch, InFlight, Lanes
+from distflow_lab.runtime.gather import StageName, any_failed, gather, settle, wait
+from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
+from distflow_lab.runtime.schedule import Dispatch, Schedule, ScheduleSetup, open_schedule
+from distflow_lab.runtime import schedule_sync, schedules  # noqa: F401  (they register their schedules)
 from distflow_lab.runtime.weights import WeightBoard, board_keep
 from distflow_lab.runtime.worker import WorkerSetup
 from distflow_lab.runtime.worker_pool import POOL, PoolKey, current_cluster
@@ -67,26 +65,6 @@ def torch_worlds(plan: Plan) -> list[tuple[int, int]]:
     return [(first, n) for _, first, n in plan.groups] or [(0, plan.world_size)]
 
 
-# A collective's error on a surviving rank when a peer process died (gloo, NCCL): the peer's death is the cause.
-PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|NCCL communicator was aborted")
-PEER_GRACE_S = 3.0  # how long Ray may take to report the dead peer's actor
-
-
-def _dead_peer(pending: list, index: dict) -> tuple[int, Exception] | None:
-    """(worker, error) of a pending call whose actor died, within PEER_GRACE_S; else None."""
-    if not pending:
-        return None
-    done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=PEER_GRACE_S)
-    for r in done:
-        try:
-            ray.get(r, timeout=0)
-        except RayTaskError:
-            continue  # another rank's own error, not a death
-        except RayError as e:
-            return index.get(r, -1), e
-    return None
-
-
 class Controller:
     def __init__(self, dag: DAG, config: SessionConfig, plane: DataPlane, engines: str | Callable | None = None,
                  reuse: "Controller | None" = None, routing: Routing | None = None) -> None:
@@ -94,7 +72,7 @@ class Controller:
         self.routing = routing or Routing(config.switches.balance)
         self.plan: Plan = dag.plan(config.cluster.world_size)
         self.mode = plane.mode
-        self.step_index, self.next_stage = 0, 0
+        self.step_index = 0  # training updates done: the cursor
         self.history: deque[StepReport] = deque(maxlen=config.history_steps)
         self.metric_rows: list[dict] = []
         self.ledger_rows: list[dict] = []  # kept by the driver: they survive a data-plane actor's restart
@@ -105,11 +83,8 @@ class Controller:
         self.last_checkpoint: Path | None = None
         self.placement: Placement | None = None
         self.board = None  # the WeightBoard, when generation and training run on disjoint groups
-        self.lanes: Lanes | None = None
+        self.schedule: Schedule | None = None
         self.session_id = uuid.uuid4().hex[:12]
-        self._current: list[StageReport] = []
-        self._step_t0 = 0.0
-        self._rpcs_at_start = 0
         self._inflight: list = []  # the refs of the last gather, awaited (bounded) after a failure
         check_groups(dag.groups, schedule=config.schedule.kind, where=f"DAG {dag.name!r}")
         check_schedule(plane.mode, config.schedule, dag.groups)  # both before any worker starts
@@ -145,7 +120,7 @@ class Controller:
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
             self.plane.ready()
-            self.lanes = self._lanes() if self.plan.groups else None
+            self.schedule = self._open_schedule()
         except BaseException:
             self.broken = self.broken or "set-up failed"  # workers half set up are never parked for reuse
             self.close()
@@ -252,44 +227,33 @@ class Controller:
         self.close()
 
     # ---- the cursor ----------------------------------------------------------------------
+    @property
+    def next_stage(self) -> int:
+        """The next stage of the current update (0 between updates)."""
+        return self.schedule.position if self.schedule is not None else 0
+
     def step_stage(self) -> StageReport:
         """Run the next stage on every worker; return what happened."""
         self._check_usable()
-        if self.lanes is not None:
-            raise SessionBroken(f"step_stage() steps one stage of a colocated synchronous step; this session runs "
-                                f"schedule {self.config.schedule.kind!r} on worker groups {self.plan.groups}: use step()")
-        step = self.step_index
-        if self.next_stage == 0:
-            self._begin_step()
         try:
-            report = self._run_stage(step, self.next_stage)
+            report, done = self.schedule.step_stage()
         except StageError as e:
-            self._fail(step, e)
+            self._failed(e)
             raise
-        self._current.append(report)
-        self.next_stage += 1
-        if self.next_stage == len(self.plan.stages):
-            self._finish_step()
+        if done is not None:
+            self._record(done)
         return report
 
     def step(self) -> StepReport:
-        """Finish the current step (all of it, or what is left after step_stage calls)."""
+        """Run the schedule until one more training update has finished (the rest of it, after
+        step_stage calls); its report."""
         self._check_usable()
-        if self.lanes is not None:
-            return self._step_on_groups()
-        if self.next_stage:
-            while self.next_stage:
-                self.step_stage()
-            return self.history[-1]
-        step = self.step_index
-        self._begin_step()
         try:
-            self._current = self._run_step_or_retry(step)
+            report = self.schedule.step()
         except StageError as e:
-            self._fail(step, e)
+            self._failed(e)
             raise
-        self.next_stage = len(self.plan.stages)
-        return self._finish_step()
+        return self._record(report)
 
     def run(self, steps: int, progress: bool = True) -> list[StepReport]:
         out = []
@@ -300,50 +264,32 @@ class Controller:
         bar.close()
         return out
 
-    def _begin_step(self) -> None:
-        self._current, self._step_t0 = [], time.time()
-        self._rpcs_at_start = self.driver_calls + self.plane.rpcs
-        self.plane.begin_step(self.step_index)
-
-    def _finish_step(self) -> StepReport:
-        step = self.step_index
-        end = self.plane.end_step(step)
-        report = StepReport(step, self.mode, self._current, time.time() - self._step_t0, end.seconds,
-                            self.driver_calls + self.plane.rpcs - self._rpcs_at_start)
-        return self._record(report, end.ledger)
-
-    def _record(self, report: StepReport, ledger: list[dict]) -> StepReport:
-        """The one place a finished step is recorded (history, metrics, ledger rows); the
-        cursor moves past it."""
-        self.ledger_rows.extend(ledger)
+    def _record(self, report: StepReport) -> StepReport:
+        """The one place a finished update is recorded (history, metrics, the schedule's ledger
+        rows); the cursor moves past it."""
+        self.ledger_rows.extend(self.schedule.take_ledger())
         self.history.append(report)
         self.metric_rows.append({"step": report.step, "wall_s": report.wall_seconds, **report.metrics})
-        self.step_index, self.next_stage, self._current = report.step + 1, 0, []
+        self.step_index = report.step + 1
         return report
 
-    # ---- schedules on worker groups (runtime/schedules.py) -------------------------------
-    def _lanes(self, resumed: dict | None = None) -> Lanes:
-        """The schedule on worker groups, after the updates done so far (or as a checkpoint's
-        `schedule` state left it). It reaches the workers and the data plane through these calls only."""
-        dispatch = Dispatch(call=self._call, gather=self._gather, abort=self._abort, end_step=self.plane.end_step,
-                            timeout=self._timeout)
-        at = {} if resumed is None else {"first_batch": resumed["next_batch"], "dropped": resumed["dropped_batches"],
-                                         "replay": [InFlight(**f) for f in resumed["in_flight"]]}
-        return Lanes(self.plan, self.mode, self.config.schedule, dispatch, start=self.step_index, **at)
+    def _failed(self, err: StageError) -> None:
+        """After a failed update: the batches the schedule ended still count; by the schedule's own
+        rule, the same update runs again on the next call or the session is broken until resume()."""
+        self.ledger_rows.extend(self.schedule.take_ledger())
+        self.broken = self.schedule.failed(err)
 
-    def _step_on_groups(self) -> StepReport:
-        """One training update: Lanes runs until one finishes (or raises a named error, with
-        everything in flight aborted: the workers need resume())."""
-        try:
-            report = self.lanes.step()
-        except StageError as e:
-            self.ledger_rows.extend(self.lanes.take_ledger())  # batches ended before the failure still count
-            self.broken = (f"{type(e).__name__} in stage {e.stage!r} of schedule {self.config.schedule.kind!r}: "
-                           "call resume() to restart from the last checkpoint")
-            raise
-        return self._record(report, self.lanes.take_ledger())
+    # ---- the schedule's view of the cluster ------------------------------------------------
+    def _open_schedule(self, state: dict | None = None) -> Schedule:
+        """The session's schedule, after the updates done so far (or as a checkpoint's `schedule`
+        state left it). It reaches the workers and the data plane through this Dispatch only."""
+        dispatch = Dispatch(call=self._call, gather=self._gather, wait=wait, failed=any_failed, now=time.monotonic,
+                            abort=self._abort, end_step=self.plane.end_step, timeout=self._timeout,
+                            rpcs=lambda: self.driver_calls + self.plane.rpcs, recover=self._recover,
+                            reached=self._reached, retried=self.retries.append)
+        return open_schedule(ScheduleSetup(self.plan, self.mode, self.config.schedule, dispatch, self.plane,
+                                           self.step_index, state))
 
-    # ---- dispatch ------------------------------------------------------------------------
     def _timeout(self, stage: Stage) -> float:
         return stage.timeout_s or self.config.cluster.stage_timeout_s
 
@@ -351,106 +297,21 @@ class Controller:
         """Start `method(*args)` on each of `workers`; their refs, for `_gather`."""
         return [getattr(self.workers[w], method).remote(*args) for w in workers]
 
-    def _run_stage(self, step: int, index: int) -> StageReport:
-        st = self.plan.stages[index]
-        t0 = time.perf_counter()
-        driver_spans = self.plane.run_on_driver(step, st)
-        if driver_spans is not None:  # the driver ran it (centralized data loading)
-            return StageReport(step, index, st.id, self.mode, [], driver_spans, time.perf_counter() - t0)
-        args = self.plane.stage_args(step, st)  # one per worker of the stage, in rank order
-        answers = self._gather([self.workers[w].run_stage.remote(step, index, a) for w, a in zip(st.ranks, args)],
-                               step, st.id, self._timeout(st), workers=list(st.ranks))
-        driver_spans = self.plane.stage_done(step, st, [h for _, h in answers])
-        return StageReport(step, index, st.id, self.mode, [r for r, _ in answers], driver_spans,
-                           time.perf_counter() - t0)
+    def _reached(self, worker: int) -> str | None:
+        """The stage `worker` last reached (its progress board), e.g. inside a whole-step call."""
+        return stage_reached(self.session_id, worker, self.placement.worker_nodes[worker])
 
-    def _run_step(self, step: int) -> list[StageReport]:
-        if self.plane.driver_moves_data:
-            return [self._run_stage(step, i) for i in range(len(self.plan.stages))]
-        limit = sum(self._timeout(st) for st in self.plan.stages)
-        try:
-            per_worker = self._gather([w.run_step.remote(step) for w in self.workers], step, "(whole step)", limit)
-        except StageError as e:
-            if e.stage != "(whole step)":
-                raise
-            where = (stage_reached(self.session_id, e.worker, self.placement.worker_nodes[e.worker])
-                     or "(whole step)")  # the stage the worker had reached
-            raise type(e)(e.summary.replace("'(whole step)'", repr(where)), step=step, stage=where,
-                          worker=e.worker, remote_traceback=e.remote_traceback) from None
-        return stage_reports(step, self.plan.stages, self.mode, per_worker)
-
-    def _run_step_or_retry(self, step: int) -> list[StageReport]:
-        """A data-plane actor lost mid-step: the step runs again once, from its start,
-        if no training stage could have changed a model yet."""
-        try:
-            return self._run_step(step)
-        except PlaneLost as e:
-            detected = time.time()
-            if not self._retryable(step, e):
-                raise
-            if not self._recover(step):
-                raise
-            self.retries.append({"step": step, "stage": e.stage, "worker": e.worker, "reason": e.summary,
-                                 "detected_at": detected})
-            self._begin_step()
-            return self._run_step(step)
-
-    def _retryable(self, step: int, err: PlaneLost) -> bool:
-        train = [s.index for s in self.plan.stages if s.type == "train"]
-        try:
-            failed = self.plan.stage(err.stage).index
-        except KeyError:
-            return False
-        return not any(r["step"] == step for r in self.retries) and (not train or failed < min(train))
-
-    # ---- waiting and failures --------------------------------------------------------------
-    def _gather(self, refs: list, step: int, stage: str, limit_s: float, workers: list[int] | None = None) -> list:
-        """Wait for every ref (the calls to `workers`, default all in rank order) within
-        `limit_s`; on the first failure abort the step everywhere and raise an error naming
-        stage, worker and step."""
-        ranks = workers if workers is not None else list(range(len(refs)))
-        index = {r: ranks[i] for i, r in enumerate(refs)}
+    def _gather(self, refs: list, step: int, stage: StageName, limit_s: float, workers: list[int] | None = None) -> list:
+        """Every answer of `refs` (the calls to `workers`, default all in rank order) within `limit_s`,
+        or the named error (runtime/gather.py) with the step aborted in the data plane."""
         self._inflight = list(refs)
         self.driver_calls += len(refs)
-        pending, deadline = list(refs), time.monotonic() + limit_s
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                late = sorted(index[r] for r in pending)
-                self._abort(step, f"stage {stage!r} timed out on workers {late}")
-                raise StageTimeout(f"stage {stage!r} of step {step} did not finish within {limit_s:.0f}s on workers "
-                                   f"{late} (the node's timeout_s, or cluster.stage_timeout_s)", step=step,
-                                   stage=stage, worker=late[0])
-            self._check(ready[0], step, stage, index[ready[0]], pending, index)
-        out = ray.get(refs, timeout=60)
+        out = gather(refs, workers if workers is not None else list(range(len(refs))), step, stage, limit_s,
+                     self._abort)
         # what the driver received, counted as pickled bytes (a data plane's handoff is object refs, never pickled
         # here: pickling a ref out of band pins its object for good)
         self.metadata_bytes += sum(len(pickle.dumps(o[0] if isinstance(o, tuple) else o)) for o in out)
         return out
-
-    def _check(self, ref, step: int, stage: str, worker: int, pending: list = (), index: dict | None = None) -> None:
-        try:
-            ray.get(ref, timeout=0)
-        except GetTimeoutError:
-            return
-        except RayTaskError as e:
-            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
-            if PEER_LOST.search(str(cause or e)) and (dead := _dead_peer(pending, index or {})) is not None:
-                worker, e = dead  # a collective broke because a peer died: the death is the error to name
-                self._abort(step, f"worker {worker} died during stage {stage!r}")
-                raise WorkerLost(f"worker {worker} died during stage {stage!r} of step {step}: {type(e).__name__}",
-                                 step=step, stage=stage, worker=worker, remote_traceback=str(e)) from None
-            self._abort(step, f"stage {stage!r} failed on worker {worker}")
-            if isinstance(cause, StageError):  # keep the subclass (BufferLost, StageContractError, ...)
-                raise type(cause)(cause.summary, step=cause.step, stage=cause.stage, worker=cause.worker,
-                                  remote_traceback=cause.remote_traceback) from None
-            raise StageError(f"stage {stage!r} failed on worker {worker} (step {step}): "
-                             f"{type(cause or e).__name__}: {cause or e}", step=step, stage=stage, worker=worker,
-                             remote_traceback=str(e)) from None
-        except RayError as e:  # the actor died (RayActorError) or is unreachable (ActorUnavailableError)
-            self._abort(step, f"worker {worker} died during stage {stage!r}")
-            raise WorkerLost(f"worker {worker} died during stage {stage!r} of step {step}: {type(e).__name__}",
-                             step=step, stage=stage, worker=worker, remote_traceback=str(e)) from None
 
     def _abort(self, step: int, reason: str) -> None:
         """Unblock workers waiting on this step inside the data plane."""
@@ -459,28 +320,11 @@ class Controller:
         except RayError:  # an actor that is gone has no waiters
             pass
 
-    def _settle(self, grace_s: float) -> bool:
-        """Wait (at most `grace_s`) until every worker has left the failed call; False if
-        some are stuck (a hung stage, a collective with a failed peer) or dead."""
-        inflight = self._inflight
-        if not inflight:
-            return True
-        done, pending = ray.wait(inflight, num_returns=len(inflight), timeout=grace_s)
-        dead = False
-        for r in done:
-            try:
-                ray.get(r, timeout=0)
-            except RayActorError:
-                dead = True
-            except RayError:  # the failure itself, already reported
-                pass
-        return not pending and not dead
-
     def _recover(self, step: int, grace_s: float | None = None) -> bool:
         """Make `step` runnable again: every worker out of it, the data plane's state of
         it gone, every loader back at its start. False if that is not possible."""
         grace = min(60.0, self.config.cluster.stage_timeout_s) if grace_s is None else grace_s
-        if not self._settle(grace):
+        if not settle(self._inflight, grace):
             return False
         try:
             self.ledger_rows.extend(self.plane.reset_step(step))
@@ -488,15 +332,6 @@ class Controller:
         except (PlaneLost, RayError):
             return False
         return True
-
-    def _fail(self, step: int, err: StageError) -> None:
-        """After a failed step: the same step runs again on the next call, or (if the
-        workers cannot) the session is broken until resume()."""
-        self._current, self.next_stage = [], 0
-        # a stage that timed out is hung: waiting longer for it only delays the error
-        if not self._recover(step, grace_s=1.0 if isinstance(err, StageTimeout) else None):
-            self.broken = (f"step {step} failed ({type(err).__name__}) and some workers or data-plane actors are "
-                           "dead or still busy in it: call resume() to restart them from the last checkpoint")
 
     def _check_usable(self) -> None:
         if self.broken:
@@ -512,8 +347,16 @@ class Controller:
 
     @property
     def spans(self) -> pd.DataFrame:
-        frames = [r.spans for r in self.history] + [s.spans for s in self._current]
+        frames = [r.spans for r in self.history] + [s.spans for s in self._in_progress()]
         return pd.concat(frames, ignore_index=True) if frames else spans_to_frame([])
+
+    def _in_progress(self) -> list[StageReport]:
+        return list(self.schedule.current) if self.schedule is not None else []
+
+    def _reports(self) -> list[StepReport]:
+        """Every step report kept, and the stages run so far of the update in progress."""
+        now = self._in_progress()
+        return [*self.history, *([StepReport(self.step_index, self.mode, now, 0.0)] if now else [])]
 
     @property
     def metrics(self) -> pd.DataFrame:
@@ -525,8 +368,7 @@ class Controller:
         write, read, load, verify, delta) and colocated syncs' weight_sync spans (side colocated,
         total seconds only)."""
         rows = []
-        for rep in [*self.history, *([StepReport(self.step_index, self.mode, self._current, 0.0)]
-                                     if self._current else [])]:
+        for rep in self._reports():
             for st in rep.stages:
                 for r in st.results:
                     rows += [{"step": r.step, "stage": r.stage_id, "worker": r.worker, **row} for row in r.weight_syncs]
@@ -543,8 +385,7 @@ class Controller:
         produced it, how its input arrived, and the training update it belongs to (`update`;
         the same as `step`, the data key, except in the async schedules)."""
         frames = []
-        for rep in [*self.history, *([StepReport(self.step_index, self.mode, self._current, 0.0)]
-                                     if self._current else [])]:
+        for rep in self._reports():
             for st in rep.stages:
                 for r in st.results:
                     if r.item_ids is not None and len(r.item_ids):
@@ -626,9 +467,7 @@ class Controller:
         tmp.mkdir(parents=True)
         try:
             schedule = self._schedule_state()
-            resume_step = schedule["next_batch"] if schedule else self.step_index
-            versions = tuple(sorted({f["version"] for f in schedule["in_flight"] if f["how"] == "replayed"})) \
-                if schedule else ()
+            resume_step, versions = schedule["next_batch"], tuple(schedule["keep_versions"])
             self._gather([w.save_checkpoint.remote(str(tmp), self.step_index, resume_step, versions)
                           for w in self.workers], self.step_index, "save_checkpoint",
                          SETUP_STAGES * self.config.cluster.stage_timeout_s)
@@ -651,19 +490,14 @@ class Controller:
         self.last_checkpoint = d
         return d
 
-    def _schedule_state(self) -> dict | None:
-        """On worker groups: what a resumed schedule needs (see save_checkpoint); None otherwise."""
-        if self.lanes is None:
-            return None
+    def _schedule_state(self) -> dict:
+        """The schedule's part of a checkpoint (it may settle work in flight first: see Schedule.state)."""
         try:
-            held = self.lanes.settle()
-        except StageError as e:
-            self.ledger_rows.extend(self.lanes.take_ledger())
+            return self.schedule.state()
+        except StageError as e:  # whatever was in flight was aborted
+            self.ledger_rows.extend(self.schedule.take_ledger())
             self.broken = f"{type(e).__name__} while the schedule settled for a checkpoint: call resume()"
             raise
-        return {"kind": self.config.schedule.kind, "max_staleness": self.config.schedule.staleness,
-                "policy_version": self.step_index, "next_batch": held[0].batch if held else self.lanes.next_batch,
-                "dropped_batches": self.lanes.stats.dropped, "in_flight": [dataclasses.asdict(f) for f in held]}
 
     def load_checkpoint(self, directory: str | Path) -> int:
         """Restore a checkpoint of this configuration; the next step() continues after it."""
@@ -675,15 +509,13 @@ class Controller:
         if diff:
             raise CheckpointError(f"checkpoint {d} is from another configuration: "
                                   + "; ".join(f"{k}: checkpoint {a!r} vs session {b!r}" for k, (a, b) in diff.items()))
-        if self.lanes is not None:  # batches generated ahead of the loaded step are never trained
-            for batch in self.lanes.discard():
-                self.ledger_rows.extend(self.plane.reset_step(batch))
+        for batch in self.schedule.discard():  # batches generated ahead of the loaded step are never trained
+            self.ledger_rows.extend(self.plane.reset_step(batch))
         self._gather([w.load_checkpoint.remote(str(d)) for w in self.workers], state["next_step"], "load_checkpoint",
                      SETUP_STAGES * self.config.cluster.stage_timeout_s)
         self.plane.load(d)
-        self.step_index, self.next_stage = state["next_step"], 0
-        if self.lanes is not None:  # the schedule continues after the loaded step, replaying what was in flight
-            self.lanes = self._lanes(state.get("schedule"))
+        self.step_index = state["next_step"]
+        self.schedule = self._open_schedule(state.get("schedule"))  # after the loaded step, replaying what was in flight
         self.last_checkpoint = d
         return self.step_index
 
@@ -696,6 +528,6 @@ class Controller:
             raise CheckpointError("no checkpoint to resume from: call save_checkpoint() during the run "
                                   "(or trainer.checkpoint_every), or pass a directory")
         self.close()
-        self._current, self.next_stage, self.broken = [], 0, None
+        self.broken = None
         self._start()
         return self.load_checkpoint(ckpt)

@@ -32,11 +32,14 @@ k is the staleness bound: 0 = sync order (generation of r waits for update r-1: 
 same steps, seeds and metrics as the synchronous schedule), 1 = one-step off-policy
 (generation of r+1 beside training of r), k = bounded asynchrony.
 
-Lanes sees the controller through `Dispatch` only (start a segment call on workers,
-gather answers within a deadline, abort a step, end a step on the data plane). It
-returns each update's StepReport and keeps the ledger rows of the batches it ended
-(trained or dropped) for the controller to take (`take_ledger`): the controller
-records both, in one place.
+Lanes is a `runtime.schedule.Schedule` and sees the cluster through `Dispatch` only
+(start a segment call on workers, wait for calls, gather answers within a deadline,
+abort a step, end a step on the data plane, read the clock): no Ray call and no clock
+read of its own, so the same rules run live and in simulated time. It returns each
+update's StepReport and keeps the ledger rows of the batches it ended (trained or
+dropped) for the controller to take (`take_ledger`): the controller records both, in
+one place. Its failure rule: any failure aborts everything in flight and the session
+needs resume() (batches in flight on two groups cannot be rewound one by one).
 
 Nothing waits or loops without a bound: a segment call's deadline is the sum of its
 stages' timeouts (StageTimeout); a training update must leave the policy at the next
@@ -46,31 +49,14 @@ with no update in between, is StaleBatches. Each aborts what is in flight.
 """
 from __future__ import annotations
 
-import time
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
-import ray
-from ray.exceptions import RayError
-
-from distflow_lab.core.config import ScheduleOptions
 from distflow_lab.core.errors import DAGError, PolicyNotPublished, SessionBroken, StageError, StaleBatches
-from distflow_lab.dataplane.interface import EndOfStep
-from distflow_lab.graph.planner import Plan, Stage
+from distflow_lab.graph.planner import Plan
 from distflow_lab.runtime.results import StageReport, StepReport, ledger_row, stage_reports
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """What Lanes may ask of the controller, and nothing more (the controller builds it)."""
-
-    call: Callable[[str, list[int], tuple], list]  # (method, workers, args): start it on each worker -> refs
-    gather: Callable[[list, int, str, float, list[int]], list]  # (refs, step, stage, limit_s, workers) -> answers;
-    # on a failure or past limit_s it aborts the step and raises a named StageError (StageTimeout, WorkerLost, ...)
-    abort: Callable[[int, str], None]  # (step, reason): fail the data plane's waiters of a step
-    end_step: Callable[[int], EndOfStep]  # release a step (a batch) in the data plane: its seconds, its ledger rows
-    timeout: Callable[[Stage], float]  # a stage's timeout (its own, or the cluster's)
+from distflow_lab.runtime.schedule import ScheduleSetup, runs
 
 
 @dataclass
@@ -104,16 +90,6 @@ class LaneStats:
     busy: dict[str, list[tuple[float, float]]] = field(default_factory=lambda: {"generate": [], "train": []})
 
 
-def _failed(done: list) -> bool:
-    """Whether one of these finished calls raised (a dead worker, a stage error)."""
-    for ref in done:
-        try:
-            ray.get(ref, timeout=0)
-        except RayError:
-            return True
-    return False
-
-
 def segments(plan: Plan, kind: str) -> tuple[list[int], list[int]]:
     """(generation stage indices, training stage indices) of a plan with two worker groups."""
     if len(plan.groups) != 2:
@@ -142,13 +118,20 @@ class InFlight:
     how: str
 
 
+@runs("one_step_off", "async")
 class Lanes:
-    def __init__(self, plan: Plan, mode: str, schedule: ScheduleOptions, dispatch: Dispatch, start: int,
-                 first_batch: int | None = None, replay: list[InFlight] = (), dropped: int = 0) -> None:
-        """`start`: the updates done so far (the controller's step index); `first_batch`: the
-        first batch not yet trained (default `start`: they differ once batches were dropped);
-        `replay`: batches to generate again at their recorded versions, first (a resume)."""
-        self.plan, self.mode, self.schedule, self.d = plan, mode, schedule, dispatch
+    position = 0  # it never stops between stages
+    current: tuple[StageReport, ...] = ()  # the reports of an update in flight are not seen until it ends
+
+    def __init__(self, setup: ScheduleSetup) -> None:
+        """After `setup.updates` updates; `setup.state` (a checkpoint's `state()`): the first batch
+        not yet trained (they differ once batches were dropped), the batches dropped, and the
+        batches in flight, generated again at their recorded versions first."""
+        plan, schedule, dispatch = setup.plan, setup.options, setup.dispatch
+        saved = setup.state or {}
+        start, first_batch = setup.updates, saved.get("next_batch")
+        replay, dropped = [InFlight(**f) for f in saved.get("in_flight", ())], saved.get("dropped_batches", 0)
+        self.plan, self.mode, self.schedule, self.d = plan, setup.mode, schedule, dispatch
         self.k = schedule.staleness
         # How many batches generation may run ahead. With partial rollouts one is enough to keep the trainer
         # fed, and the rest of k is slack for sequences that continue into later batches (see the docstring).
@@ -168,7 +151,7 @@ class Lanes:
         self.stats = LaneStats(dropped=dropped)
         self.stale_run = 0  # batches dropped since the last update
         self.ledger: list[dict] = []  # rows of the batches ended (trained or dropped), not yet taken
-        self._last_update_end = time.time()
+        self._last_update_end = dispatch.now()
         self._training: Ready | None = None
 
     # ---- the loop ------------------------------------------------------------------
@@ -181,10 +164,29 @@ class Lanes:
             report = self._wait()
         return report
 
+    def step_stage(self) -> tuple[StageReport, StepReport | None]:
+        raise SessionBroken(f"step_stage() steps one stage of a colocated synchronous step; this session runs "
+                            f"schedule {self.schedule.kind!r} on worker groups {self.plan.groups}: use step()")
+
+    def failed(self, err: StageError) -> str | None:
+        """Everything in flight was aborted when `err` was raised: the workers need resume()."""
+        return (f"{type(err).__name__} in stage {err.stage!r} of schedule {self.schedule.kind!r}: "
+                "call resume() to restart from the last checkpoint")
+
     def take_ledger(self) -> list[dict]:
         """The ledger rows of the batches ended since the last call (trained or dropped)."""
         rows, self.ledger = self.ledger, []
         return rows
+
+    def state(self) -> dict:
+        """Settles (see `settle`), then: the policy version, the batches generated but not yet trained
+        (with the versions they came from, which the checkpoint keeps: `keep_versions`) and the batch
+        to read next; a schedule built from this state replays them."""
+        held = self.settle()
+        return {"kind": self.schedule.kind, "max_staleness": self.schedule.staleness,
+                "policy_version": self.updates, "next_batch": held[0].batch if held else self.next_batch,
+                "dropped_batches": self.stats.dropped, "in_flight": [dataclasses.asdict(f) for f in held],
+                "keep_versions": sorted({f.version for f in held if f.how == "replayed"})}
 
     def settle(self) -> list[InFlight]:
         """Between updates (a checkpoint): let a generation in flight finish, and return every
@@ -201,7 +203,7 @@ class Lanes:
         returns the batches, for the data plane to forget."""
         lanes = [lane for lane in (self.gen, self.train) if lane is not None]
         for lane in lanes:
-            ray.wait(lane.refs, num_returns=len(lane.refs), timeout=max(0.0, lane.deadline - time.monotonic()))
+            self.d.wait(lane.refs, len(lane.refs), max(0.0, lane.deadline - self.d.now()))
         held = [lane.batch for lane in lanes] + [r.batch for r in self.ready]
         self.gen = self.train = None
         self.ready.clear()
@@ -232,7 +234,7 @@ class Lanes:
             refs = self.d.call("generate_segment", workers, (batch, stages, trains_by, version, replayed))
         else:
             refs = self.d.call("train_segment", workers, (batch, stages))
-        now = time.monotonic()
+        now = self.d.now()
         return Lane(kind, batch, update, refs, workers, now, now + limit)
 
     def _wait(self) -> StepReport | None:
@@ -242,19 +244,19 @@ class Lanes:
         if not lanes:
             raise SessionBroken("nothing to run: no batch is generating and none is ready (this is a bug)")
         pending = [r for lane in lanes for r in lane.refs]
-        timeout = max(0.0, min(lane.deadline for lane in lanes) - time.monotonic())
-        ray.wait(pending, num_returns=1, timeout=timeout)
+        timeout = max(0.0, min(lane.deadline for lane in lanes) - self.d.now())
+        self.d.wait(pending, 1, timeout)
         report = None
         for lane in lanes:
-            done, _ = ray.wait(lane.refs, num_returns=len(lane.refs), timeout=0)
-            if len(done) == len(lane.refs) or time.monotonic() > lane.deadline or _failed(done):
+            done, _ = self.d.wait(lane.refs, len(lane.refs), 0)
+            if len(done) == len(lane.refs) or self.d.now() > lane.deadline or self.d.failed(done):
                 report = self._finish(lane) or report  # a failed call ends its lane at once: others may wait on it
         return report
 
     # ---- a lane finished (or failed) -----------------------------------------------
     def _finish(self, lane: Lane) -> StepReport | None:
         answers = self._collect(lane)
-        self.stats.busy[lane.kind].append((lane.started, time.monotonic()))
+        self.stats.busy[lane.kind].append((lane.started, self.d.now()))
         stages = [self.plan.stages[i] for i in (self.gen_stages if lane.kind == "generate" else self.train_stages)]
         reports = stage_reports(lane.batch, stages, self.mode, [a["results"] for a in answers])
         if lane.kind == "generate":
@@ -270,7 +272,7 @@ class Lanes:
     def _collect(self, lane: Lane) -> list[dict]:
         stage = "(generation)" if lane.kind == "generate" else "(training)"
         try:
-            return self.d.gather(lane.refs, lane.batch, stage, max(0.0, lane.deadline - time.monotonic()),
+            return self.d.gather(lane.refs, lane.batch, stage, max(0.0, lane.deadline - self.d.now()),
                                  lane.workers)
         except StageError as e:
             self._abort_all(e)
@@ -280,7 +282,7 @@ class Lanes:
         r = self._training
         end = self.d.end_step(lane.batch)
         self.ledger.extend(end.ledger)
-        now = time.time()
+        now = self.d.now()
         wall, self._last_update_end = now - self._last_update_end, now
         self.updates += 1
         self.stale_run = 0
@@ -288,7 +290,7 @@ class Lanes:
                           extra_metrics=self._schedule_metrics(lane, r, wall, answers))
 
     def _schedule_metrics(self, lane: Lane, r: Ready, wall: float, answers: list[dict]) -> dict:
-        t1 = time.monotonic()
+        t1 = self.d.now()
         t0 = t1 - wall
         busy = {k: sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in v) for k, v in self.stats.busy.items()}
         versions = [a["version"] for a in answers if a["version"] is not None]  # None: no weights engine
@@ -351,8 +353,5 @@ class Lanes:
             self.d.abort(lane.batch, f"{err.stage!r} failed: {err.summary}")
         inflight = [r for lane in lanes for r in lane.refs]
         if inflight:
-            try:
-                ray.wait(inflight, num_returns=len(inflight), timeout=5)
-            except RayError:
-                pass
+            self.d.wait(inflight, len(inflight), 5.0)
         self.gen = self.train = None

@@ -25,7 +25,7 @@ from distflow_lab.core.config.run import (GENERATED_DATA, SESSION_KEYS, ActorOpt
                                           MultiTurnOptions, RolloutOptions, RunConfig, TinySpec, TrainerOptions, VLLMOptions, WarmStart,
                                           run_session)
 from distflow_lab.core.config.session import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, Mode, ProfileOptions,
-                                              SCHEDULES, ScheduleFacts, ScheduleName, ScheduleOptions, SessionConfig,
+                                              SCHEDULES, ScheduleFacts, ScheduleName, ScheduleOptions, SessionConfig, register_schedule,
                                               Switches, WeightSyncOptions, check_groups,
                                               check_schedule, check_switches)
 from distflow_lab.core.errors import ConfigError
@@ -34,7 +34,7 @@ __all__ = [
     "ConfigError", "Strict",
     # session
     "Mode", "MODES", "Balance", "Switches", "SWITCHES_BY_MODE", "check_switches", "ClusterOptions",
-    "SCHEDULES", "ScheduleFacts", "ScheduleName", "ScheduleOptions", "WeightSyncOptions", "ProfileOptions", "check_schedule", "check_groups", "SessionConfig",
+    "SCHEDULES", "ScheduleFacts", "ScheduleName", "ScheduleOptions", "register_schedule", "WeightSyncOptions", "ProfileOptions", "check_schedule", "check_groups", "SessionConfig",
     # nodes
     "DataSpec", "Contract",
     # run

@@ -8,7 +8,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from distflow_lab.core.config.base import Strict
 from distflow_lab.core.errors import ConfigError
@@ -102,14 +102,15 @@ class ClusterOptions(Strict):
     """Start new worker processes, and kill them at close, instead of taking parked ones from the worker pool and parking them again (runtime/worker_pool.py)."""
 
 
-ScheduleName = Literal["sync", "one_step_off", "async"]
-"""The schedules (the one list: `SCHEDULES` holds each one's facts, in this order)."""
+ScheduleName = str
+"""A schedule's name: a key of `SCHEDULES` ("sync", "one_step_off", "async", or one registered)."""
 
 
 @dataclass(frozen=True)
 class ScheduleFacts:
-    """What the rest of the lab needs to know about a schedule, read from here by config checks, the
-    API, the CLI and the soak."""
+    """A schedule's facts, read from here by config checks, the API, the CLI, the soak and the
+    replay. What runs it registers itself under the same name in the runtime layer
+    (`runtime.schedule.runs`)."""
 
     name: str
     staleness: int | None
@@ -128,7 +129,15 @@ SCHEDULES: dict[str, ScheduleFacts] = {f.name: f for f in (
     ScheduleFacts("sync", 0, needs_groups=False, partial_rollout=False),
     ScheduleFacts("one_step_off", 1, needs_groups=True, partial_rollout=False),
     ScheduleFacts("async", None, needs_groups=True, partial_rollout=True))}
-assert tuple(SCHEDULES) == get_args(ScheduleName)
+
+
+def register_schedule(facts: ScheduleFacts) -> ScheduleFacts:
+    """Add a schedule's row: from then on `schedule.kind=<name>` is valid config, run by what
+    `runtime.schedule.runs(<name>)` registered."""
+    if facts.name in SCHEDULES and SCHEDULES[facts.name] != facts:
+        raise ConfigError(f"schedule {facts.name!r} is already registered (as {SCHEDULES[facts.name]})")
+    SCHEDULES[facts.name] = facts
+    return facts
 
 
 class ScheduleOptions(Strict):
@@ -137,13 +146,20 @@ class ScheduleOptions(Strict):
     groups. async: generation runs ahead continuously, up to `max_staleness` policy versions."""
 
     kind: ScheduleName = "sync"
-    """The schedule."""
+    """The schedule: a name in `SCHEDULES`."""
     max_staleness: int = Field(default=1, ge=0)
     """async: no trained sample comes from a policy more than this many versions old (0: sync order)."""
     partial_rollout: bool = False
     """async: a generation in flight continues across a weight update (each token keeps its policy version)."""
     on_stale: Literal["drop", "regenerate"] = "drop"
     """async with partial rollouts: a sequence in flight whose oldest token is more than max_staleness versions old is dropped, or generated again from its start (counted). Without partial rollouts nothing is ever stale: generation is paced to stay within the bound."""
+
+    @field_validator("kind")
+    @classmethod
+    def _known(cls, kind: str) -> str:
+        if kind not in SCHEDULES:
+            raise ValueError(f"schedule {kind!r} is not one of {list(SCHEDULES)}")
+        return kind
 
     @model_validator(mode="after")
     def _coherent(self) -> "ScheduleOptions":
