@@ -41,6 +41,8 @@ _EXPORTS = {
     "EnvPool": "distflow_lab.models.environment_pool",
     "replay": "distflow_lab.experiments.replay", "replay_accuracy": "distflow_lab.experiments.replay",
     "schedule_replay_accuracy": "distflow_lab.experiments.schedule_replay",
+    "advise": "distflow_lab.experiments.advisor",
+    "register_schedule": "distflow_lab.core.config", "ScheduleFacts": "distflow_lab.core.config",
     "soak": "distflow_lab.experiments.soak", "SoakReport": "distflow_lab.experiments.soak",
     "WeightBoardLost": "distflow_lab.core.errors",
     "WeightSyncMismatch": "distflow_lab.core.errors",

@@ -158,3 +158,48 @@ def test_schedule_replay_matches_real_runs(ray_cluster):
     for name in ("one_step_off", "async k=2"):  # one schedule over 6 steps: a loaded 2-core box gets slack
         assert t.at[name, "abs_error"] <= 0.20 and t.at[name, "tv"] <= 0.15, acc  # (one_step_off 16 % once in CI)
     assert t.at["async k=2 + partial", "tv"] <= 0.15, acc
+
+
+def test_advise_ranks_the_split_and_schedule_the_replay_predicts_best(tmp_path):
+    """Generation-bound on 2 + 2 (G 0.9 s, T 0.3 s): 3 + 1 balances the lanes (0.6 s each), so an
+    overlapping schedule there is the best without partial rollouts (with them, the synthetic
+    decoder decodes between calls too: the long generation hides); every candidate within k <= 2."""
+    from distflow_lab.experiments.advisor import advise, candidate_schedules
+
+    assert [c.name for c in candidate_schedules(2)] == ["sync", "one_step_off", "async k=1", "async k=1 + partial",
+                                                       "async k=2", "async k=2 + partial"]
+    run = _write_run(tmp_path, [0.9] * 8, [0.3] * 8)
+    a = advise(run, max_staleness=2, recorded=(2, 2), skip=0)
+    whole = a.table[~a.table["schedule"].str.contains("partial")]
+    best = whole.iloc[0]
+    assert (best["rollout_workers"], best["train_workers"]) == (3, 1) and best["schedule"] != "sync", a
+    assert best["step_s"] == pytest.approx(0.6 + 0.02, rel=0.05)
+    assert a.best["tokens_per_s"] >= best["tokens_per_s"] and a.best["schedule"] != "sync"
+    assert set(a.table["rollout_workers"]) == {1, 2, 3} and len(a.table) == 3 * 6
+    assert a.table["staleness_mean"].max() <= 2
+    with pytest.raises(ValueError, match="verify"):
+        advise(run, recorded=(2, 2), verify=1, skip=0)
+
+
+def test_the_replay_runs_the_schedulers_own_pacing_rule(tmp_path, monkeypatch):
+    """Change the rule in runtime/schedule_lanes.py and the replay follows: generation never running
+    ahead makes async k=2 the synchronous order (staleness 0, sync's step), with no copy to edit."""
+    from distflow_lab.runtime import schedule_lanes
+
+    rec = _write_run(tmp_path, [0.3] * 8, [0.5] * 8, gap_s=0.02)
+    before = replay_schedules(rec, ["async:k=2"], skip=0).table
+    assert before["staleness"].max() == 2
+    monkeypatch.setattr(schedule_lanes, "runs_ahead", lambda k, partial_rollout: 0)
+    after = replay_schedules(rec, ["async:k=2"], skip=0).table
+    assert (after["staleness"] == 0).all()
+    assert np.allclose(after["wall_s"], 0.3 + 0.5 + 0.02)
+
+
+def test_contention_slows_the_overlapped_part_of_a_lane(tmp_path):
+    """Training 2x slower while generation runs (Knobs.contention = (1, 2)), G 0.3 s, T + c 0.52 s:
+    under one_step_off the next generation overlaps the first 0.3 s of each update, which then
+    does 0.15 s of its work, so an update takes 0.3 + (0.52 - 0.15) = 0.67 s."""
+    rec = _write_run(tmp_path, [0.3] * 8, [0.5] * 8, gap_s=0.02)
+    t = replay_schedules(rec, ["one_step_off"], skip=0, knobs=Knobs(contention=(1.0, 2.0))).table
+    assert t["wall_s"].iloc[0] == pytest.approx(0.3 + 0.67)
+    assert np.allclose(t["wall_s"].iloc[1:], 0.67)

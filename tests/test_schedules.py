@@ -17,7 +17,7 @@ from distflow_lab.core.errors import ConfigError, PolicyNotPublished, SessionBro
 from distflow_lab.dataplane.interface import EndOfStep
 from distflow_lab.runtime import faults
 from distflow_lab.runtime.schedule import Dispatch, ScheduleSetup
-from distflow_lab.runtime.schedules import Lanes
+from distflow_lab.runtime.schedule_lanes import Lanes
 
 GROUPS = {"rollout": 2, "train": 2}
 

@@ -50,7 +50,8 @@ def stream_rollout(batch: Batch, ctx: StageContext) -> Batch:
     rows = len(out.prompts)
     ctx.count(**{k: v for k, v in {"rollout/stale_dropped": c.stale_dropped,
                                    "rollout/stale_regenerated": c.stale_regenerated,
-                                   "rollout/partial": c.partial, "rollout/resumed": c.resumed}.items() if v})
+                                   "rollout/partial": c.partial, "rollout/resumed": c.resumed,
+                                   "rollout/decode_iterations": c.iterations}.items() if v})
     lengths = cols["response_mask"].sum(1).float()
     ctx.log(**{"rollout/prompts_truncated": truncated, "rollout/partial_frac": c.partial / rows if rows else 0.0,
                "response_length/mean": lengths.mean().item() if rows else 0.0,

@@ -33,7 +33,7 @@ from distflow_lab.dataplane.interface import DataPlane, Routing
 from distflow_lab.dataplane.partition import workload_coeffs
 from distflow_lab.graph.dag import DAG
 from distflow_lab.runtime.controller import Controller
-from distflow_lab.runtime.schedules import segments
+from distflow_lab.runtime.schedule_lanes import segments
 
 PLANES: dict[str, Callable[[], DataPlane]] = {p.mode: p for p in (CentralizedPlane, CoordinatorPlane, DistributedPlane)}
 assert tuple(sorted(PLANES)) == tuple(sorted(MODES)), "one data plane per mode"

@@ -1,6 +1,9 @@
 """What-if for schedules: from one recorded sync run on worker groups, the throughput and
 the staleness distribution of one_step_off and async k (with and without partial
-rollouts), by a discrete-event replay of the two lanes of `runtime/schedules.py`.
+rollouts), by running the scheduler itself, `runtime/schedule_lanes.Lanes`, in simulated time
+(experiments/sim_dispatch.py) over cost models fitted from the recording. The pacing rules
+(what may run ahead, which batch trains, what is too stale) exist once, in Lanes; this
+module holds only the cost models and the summaries.
 
     r = lab.replay(s, schedule=["sync", "one_step_off", "async:k=2", "async:k=2:partial"])
     r.summary                                   # one row per schedule
@@ -14,35 +17,40 @@ What the recording gives, per batch r (= step = update under sync):
        stages and the publish of the policy);
   c_r  = wall_r - G_r - T_r: the driver between lanes (end of step in the data plane,
        launches), paid on the trainer's path;
-  the trained tokens and rows of batch r, and per rollout rank the response lengths.
+  the trained tokens, rows and padded tokens (rows x the longest) of batch r, and per
+  rollout rank the response lengths.
   A colocated recording (no groups) has no lanes: G and T are then the stages' critical
   paths from the spans (generation: the stages before the first actor/reference/critic
   stage), and the replay assumes each group would keep those per-stage times.
 
-The pipeline, exactly as `Lanes` paces it (k: 0 sync, 1 one_step_off, max_staleness async):
-  ahead = min(k, 1) with partial rollouts, else k;
-  whenever the trainer is free it takes the oldest ready batch; batch too stale
-  (u - version_min > k) is dropped; update u takes T + c and publishes version u + 1;
-  a generation starts when the generator is free and ready + in training <= ahead; it
-  pulls the version published so far (= updates done) and takes G_r;
-  wall of update u = its end - the end of update u - 1.
-Without partial rollouts a batch's samples all carry the version of the generation's start,
-and batch r trains at update r with its recorded T_r: sync reproduces the recorded walls.
+The cost models (`SegmentCosts`):
+  generation of batch r takes G_r, less the recorded policy pull when it runs ahead at the
+  version it already holds (a worker loads only a newer version);
+  training of batch r takes T_r and publishes at its end, then the driver's c_r;
+  contention: while both lanes run, the generation lane runs f_g times slower and the
+  training lane f_t times (the groups share the machine's cores; a synthetic decoder's
+  sleep does not: its f_g stays near 1); fitted by `calibrate_lanes` from a few
+  one_step_off updates the accuracy check runs itself, or Knobs.contention; 1.0 otherwise;
+  warm-up: a reopened session on a real engine builds it again and pays its first updates'
+  warm-up again, the synthetic DAG does not (Knobs.rewarm).
+Without partial rollouts a batch's samples all carry the version of the generation's start.
 
 Partial rollouts: the rollout runs `synthetic.StreamingDecoder`'s rules in simulated time on
 each rollout rank: `slots = slots_per_row * rows` sequences decode together, one decode
 iteration (d seconds) gives every active sequence a token stamped with the version held;
 a call returns when `rows` sequences have finished (the rest carry into the next call);
-between calls the admitted sequences keep decoding with the last version (no admission);
-every `refresh_every` iterations the newest published version is pulled; sequences older
-than k versions at the update they would train at are dropped (or restarted). d and the
-prompt length p come from the sync recording: the static batch waits for its longest
-response, so rollout seconds = d * (max item tokens - p) per rank and step (least squares).
-The response lengths are the recorded ones, in recorded order per rank (a partial run
-draws its own: same distribution, not the same draws), cycled past the recording.
-A partial batch holds other sequences than the sync batch: T = a + b * tokens (least
-squares over the recorded steps), and the rest of the generation lane (G_r - rollout_r)
-as recorded. Refresh pulls cost nothing here (about a millisecond each on the bench).
+between calls the synthetic decoder keeps decoding with the last version (no admission),
+a real engine does not (Knobs.between_calls); every `refresh_every` iterations the newest
+published version is pulled; sequences older than k versions at the update they would
+train at are dropped (or restarted). d and the prompt length p come from the sync recording:
+the static batch waits for its longest response, so rollout seconds = d * (max item tokens
+- p) per rank and step (least squares). The response lengths are the recorded ones, in
+recorded order per rank (a partial run draws its own: same distribution, not the same
+draws), cycled past the recording. A partial batch holds other sequences than the sync
+batch, usually shorter ones (the long tail carries over, and ages out): T = a + b * padded
+tokens (least squares over the recorded steps; a batch pads to its longest row), and the
+rest of the generation lane (G_r - rollout_r) as recorded. Refresh pulls cost nothing here
+(about a millisecond each on the bench).
 
 Staleness of a trained sample: update - its oldest token's version (what the trainer's
 bound checks, and what `items()` reports as `version`); per token with partial rollouts:
@@ -50,6 +58,7 @@ update - the version that decoded it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import Counter, deque
@@ -162,6 +171,21 @@ class Knobs:
 
     slots_per_row: float | None = None
     refresh_every: int | None = None
+    between_calls: bool | None = None
+    """Whether the rollout keeps decoding between two calls (the synthetic decoder is a server: True;
+    the real engines decode inside a call only: False). None: True."""
+    rewarm: bool | None = None
+    """Whether a run of another schedule (a reopened session) pays the recording's warm-up again: the
+    real engines are built again and their first updates are slow again (True: the warm-up steps
+    are replayed as recorded); the synthetic DAG is warm at once (None: False: replayed at the
+    costs fitted on the steps after them)."""
+    stream_decode_s: float | None = None
+    """Seconds per decode iteration of the streaming engine partial rollouts run on (its refreshes and
+    resumes included); None: decode_s, fitted on the sync run's static batches (`calibrate_streaming`
+    measures it: on vLLM it is several times the static batch's)."""
+    contention: tuple[float, float] | None = None
+    """(generation, training): how much slower each lane runs while the other runs too (the groups
+    share the machine's cores); None: (1, 1), or what `calibrate_lanes` measured."""
     decode_s: float | None = None
     prompt_tokens: float | None = None
 
@@ -170,13 +194,78 @@ class Knobs:
         return Knobs(**{k: v if v is not None else getattr(base, k) for k, v in vars(self).items()})
 
 
+def calibrate_lanes(s: Any, rec: "LaneRecording", updates: int = 6, skip: int = 2, streaming: bool = True
+                    ) -> "LaneRecording":
+    """The recording with what a short calibration on the session measures: `updates` one_step_off
+    updates (the session reopened: the same batches as its sync recording) give the lanes'
+    contention (`fit_contention`); with `streaming`, `updates` async k=1 updates with partial
+    rollouts give the streaming engine's decode cost (`calibrate_streaming`). Each is noted in
+    `rec.notes`. (Its first updates would also show the warm-up a reopened session pays, but that
+    varies from one reopen to the next: replaying them made async k=4's staleness worse, TV 0.83
+    against 0.33 on the synthetic DAG, so the warm-up stays Knobs.rewarm's.)"""
+    s.reopen(schedule="one_step_off")
+    s.run(updates, progress=False)
+    busy = s.controller.schedule.stats.busy  # (start, end) per lane call, in launch order
+    f = fit_contention(rec, busy, skip)
+    knobs = dataclasses.replace(rec.knobs, contention=f)
+    notes = [f"contention: generation {f[0]:.3f}x and training {f[1]:.3f}x slower while the other lane runs too "
+             f"(calibrate_lanes)"]
+    d = calibrate_streaming(s, updates, skip) if streaming else None
+    if d is not None:
+        knobs = dataclasses.replace(knobs, stream_decode_s=d)
+        notes.append(f"streaming decode {d * 1e3:.2f} ms/iteration (calibrate_streaming), against "
+                     f"{rec.decode_s * 1e3:.2f} ms on the sync run's static batches")
+    return dataclasses.replace(rec, knobs=knobs, notes=[*rec.notes, *notes])
+
+
+def _overlap(a: float, b: float, others: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, d) - max(a, c)) for c, d in others)
+
+
+def fit_contention(rec: "LaneRecording", busy: dict[str, list[tuple[float, float]]], skip: int
+                   ) -> tuple[float, float]:
+    """How much slower each lane ran while the other ran, from a one_step_off run of the recording's
+    batches (`busy`: each lane's calls, in launch order): a lane of d seconds that overlapped the
+    other for o seconds, and ran alone for s seconds in the sync recording, did s = (d - o) + o / f
+    seconds of work, so d - s = o (1 - 1/f) (least squares through 0 over each lane's calls after
+    `skip`). (generation f, training f); 1.0 where nothing overlapped or nothing slowed down."""
+    out = []
+    for kind, other, col in (("generate", "train", "gen_s"), ("train", "generate", "train_s")):
+        x, y = [], []
+        for r, (a, b) in enumerate(busy[kind]):
+            if r >= skip and r in rec.batches.index:
+                x.append(_overlap(a, b, busy[other]))
+                y.append((b - a) - float(rec.batches.at[r, col]))
+        x, y = np.asarray(x), np.asarray(y)
+        c = float(np.clip((x * y).sum() / (x * x).sum(), 0.0, 0.9)) if (x * x).sum() > 0 else 0.0  # 1 - 1/f
+        out.append(1.0 / (1.0 - c))
+    return out[0], out[1]
+
+
+def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> float | None:
+    """Run `updates` async k=1 updates with partial rollouts on the session (reopened) and return the
+    streaming engine's seconds per decode iteration: the rollout stage's compute seconds over its
+    decode iterations (`rollout/decode_iterations`), after `skip`. None: the rollout does not count
+    its iterations (the synthetic decoder's cost is its own knob)."""
+    s.reopen(schedule="async", max_staleness=1, partial_rollout=True)
+    m = s.run(updates, progress=False)
+    if "rollout/decode_iterations" not in m:
+        return None
+    m = m[m["step"] >= skip]
+    rollout = next(st.id for st in s.plan.stages if st.type == "generate")
+    sp = s.spans
+    sec = sp[(sp["stage"] == rollout) & (sp["phase"] == "compute") & sp["step"].isin(m["step"])]["seconds"].sum()
+    iters = float(m["rollout/decode_iterations"].sum())
+    return float(sec / iters) if iters > 0 else None
+
+
 @dataclass
 class LaneRecording:
     """A sync run's lanes per batch, and what partial rollouts need."""
 
     batches: pd.DataFrame  # index batch r: gen_s, train_s, gap_s, wall_s, tokens, rows, rollout_s
     lengths: dict[int, list[np.ndarray]]  # batch -> per rollout rank: response lengths (decode iterations)
-    train_fit: tuple[float, float]  # train_s = a + b * tokens
+    train_fit: tuple[float, float]  # train_s = a + b * padded tokens (rows x the batch's longest)
     decode_s: float  # one decode iteration
     prompt_tokens: float  # per sequence
     knobs: Knobs
@@ -219,7 +308,9 @@ def _fit_decode(items: pd.DataFrame, spans: pd.DataFrame, rollout: str, skip: in
 
 
 def _fit_train(b: pd.DataFrame, skip: int) -> tuple[float, float]:
-    x, y = b["tokens"].to_numpy(float)[skip:], b["train_s"].to_numpy(float)[skip:]
+    """train_s = a + b * padded tokens: a batch is padded to its longest sequence, so a long tail
+    costs the whole batch (on the HF recording this fits far better than the tokens trained)."""
+    x, y = b["padded"].to_numpy(float)[skip:], b["train_s"].to_numpy(float)[skip:]
     if len(x) >= 2 and np.ptp(x) > 0:
         slope, a = np.polyfit(x, y, 1)
         if slope >= 0 and a >= 0:
@@ -251,7 +342,8 @@ def _session_knobs(s: Any, rollout: Any) -> Knobs:
     if getattr(s.config, "algo", None) is not None and not set(DEFAULT_KNOBS) & set(rollout.params):
         from distflow_lab.algos.streaming import REFRESH_EVERY, SLOTS_PER_ROW
 
-        return Knobs(slots_per_row=float(SLOTS_PER_ROW), refresh_every=REFRESH_EVERY)
+        return Knobs(slots_per_row=float(SLOTS_PER_ROW), refresh_every=REFRESH_EVERY, between_calls=False,
+                     rewarm=True)
     return _knobs_from_params(rollout.params)
 
 
@@ -312,6 +404,7 @@ def _batches(src: _Source) -> pd.DataFrame:
                          f"(items() is empty: was the run recorded with an older version?)")
     b["tokens"] = first_train.groupby("step")["tokens"].sum()
     b["rows"] = first_train.groupby("step").size()
+    b["padded"] = b["rows"] * first_train.groupby("step")["tokens"].max()  # what training computes on
     b["rollout_s"] = _stage_seconds(src.spans, [src.rollout])
     b = b.dropna(subset=["gen_s", "train_s", "wall_s", "tokens"])
     b["gap_s"] = (b["wall_s"] - b["gen_s"] - b["train_s"]).clip(lower=0)
@@ -337,7 +430,8 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
     it = src.items[src.items["stage"] == src.rollout]
     lengths = {int(r): [np.maximum(1, np.round(g2["tokens"].to_numpy(float) - p)).astype(np.int64)
                         for _, g2 in g.groupby("dp_rank")] for r, g in it.groupby("step")}
-    b = _dewarm(b, skip, lengths, d, _fit_train(b, skip))
+    if not knobs.rewarm:
+        b = _dewarm(b, skip, lengths, d, _fit_train(b, skip))
     ws = src.spans[src.spans["phase"] == "weight_sync"]
     sync = {"pull_s": float(ws[ws["stage"].isin(src.gen_stages)].groupby(["step", "worker"])["seconds"].sum()
                             .groupby("step").max().median()) if len(ws) else 0.0,
@@ -347,9 +441,12 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
     if src.colocated:
         notes.append(f"colocated recording: generation = {src.gen_stages}, training = {src.train_stages}, each "
                      f"assumed to keep its recorded per-stage times on a group of its own")
-    if skip:
+    if skip and not knobs.rewarm:
         notes.append(f"the first {skip} recorded step(s) (warm-up: engines, caches) are replayed at the fitted costs "
-                     f"(training a + b * tokens, rollout d * longest response), not their recorded seconds")
+                     f"(training a + b * padded tokens, rollout d * longest response), not their recorded seconds")
+    elif skip:
+        notes.append(f"the first {skip} recorded step(s) (warm-up) are replayed as recorded: a reopened session's "
+                     f"real engines pay their warm-up again (Knobs.rewarm)")
     return LaneRecording(b, lengths, _fit_train(b, skip), d, p, knobs, {k: (0.0 if math.isnan(v) else v)
                                                                         for k, v in sync.items()},
                          src.colocated, notes)
@@ -368,7 +465,7 @@ def _dewarm(b: pd.DataFrame, skip: int, lengths: dict[int, list[np.ndarray]], d:
         longest = max((int(x.max()) for x in lengths.get(int(r), []) if len(x)), default=0)
         rollout = d * longest if longest else float(rest["rollout_s"].median())
         b.loc[r, ["rollout_s", "gen_s", "train_s", "gap_s"]] = [rollout, rollout + other,
-                                                               fit[0] + fit[1] * b.at[r, "tokens"],
+                                                               fit[0] + fit[1] * b.at[r, "padded"],
                                                                float(rest["gap_s"].median())]
     return b
 
@@ -406,6 +503,7 @@ class _Gen:
     end: float
     start: float
     stale: int = 0  # sequences aged out (dropped or restarted) in this generation
+    padded: float = 0.0  # rows x the longest row: what training computes on
 
     @property
     def version_min(self) -> int:
@@ -451,7 +549,8 @@ class _Decoder:
     def run(self, now: float, rows: int, slots: int, knobs: Knobs, d: float, version: int, published,
             spec: ScheduleSpec, trains_by: int) -> tuple[list[_Seq], float, int]:
         """Decode until `rows` sequences finished; (them, the time it returns, sequences aged out)."""
-        self._between_calls(now, d)
+        if knobs.between_calls is not False:
+            self._between_calls(now, d)
         done, s1 = self._age_out(self.finished, version, spec, trains_by)
         self.active, s2 = self._age_out(self.active, version, spec, trains_by)
         self.finished, stale, t, until = [], s1 + s2, now, knobs.refresh_every
@@ -486,7 +585,7 @@ def _cycle(n: int, skip: int) -> Iterator[int]:
 class SegmentCosts:
     """The cost model of one schedule's replay: what a generation segment and a training segment
     take, in simulated time, from the recording (the fits above) and the streaming decoder's rules.
-    `runtime/schedules.Lanes` decides when each runs (experiments/sim_dispatch.py calls these)."""
+    `runtime/schedule_lanes.Lanes` decides when each runs (experiments/sim_dispatch.py calls these)."""
 
     def __init__(self, rec: LaneRecording, spec: ScheduleSpec, skip: int = 1) -> None:
         self.rec, self.spec = rec, spec
@@ -505,6 +604,7 @@ class SegmentCosts:
         self.generated: dict[int, _Gen] = {}  # batch -> what its generation made
         self.trained: dict[int, float] = {}  # batch -> its training lane's seconds (to the publish)
         self.stale = 0  # sequences aged out (dropped or restarted) by the rollouts
+        self.held = 0  # the newest version the rollout group pulled
 
     def _lengths(self, rank: int, n: int) -> Iterator[np.ndarray]:
         for i in _cycle(n, self.skip):
@@ -519,33 +619,40 @@ class SegmentCosts:
                  ) -> tuple[float, int]:
         """Generation of batch r from `now` at `version`: (its end, its oldest token's version)."""
         i = next(self.batch_ix)
+        # every recorded sync generation after the first pulled a new policy; one that runs ahead at the version
+        # it holds pulls nothing (pull_weights loads only a newer version)
+        saved = self.rec.weight_sync["pull_s"] if version <= self.held and self.order[i] > 0 else 0.0
+        self.held = max(self.held, version)
         if self.decoders is None:
             rows = int(self._value("rows", i))
             g = _Gen(r, i, version, np.full(rows, version), Counter({version: self._value("tokens", i)}),
-                     self._value("tokens", i), now + self._value("gen_s", i), now)
+                     self._value("tokens", i), now + self._value("gen_s", i) - saved, now)
         else:
-            g = self._generate_partial(r, i, now, version, trains_by, published)
+            g = self._generate_partial(r, i, now, version, trains_by, published, saved)
         self.generated[r], self.stale = g, self.stale + g.stale
         return g.end, g.version_min
 
     def _generate_partial(self, r: int, i: int, now: float, version: int, trains_by: int,
-                          published: Callable[[float], int]) -> _Gen:
-        other = self._value("gen_s", i) - self._value("rollout_s", i)
-        rows_v, tv, tokens, end, stale = [], Counter(), 0.0, now, 0
+                          published: Callable[[float], int], saved: float) -> _Gen:
+        other = self._value("gen_s", i) - self._value("rollout_s", i) - saved  # the lane's stages but the rollout
+        rows_v, tv, tokens, end, stale, every = [], Counter(), 0.0, now, 0, []
         for dec in self.decoders:
             rows = dec.admit()
             slots = int(self.rec.knobs.slots_per_row * rows)
             while len(dec.waiting) + len(dec.active) < slots:  # keep every slot busy: later prompts start now
                 dec.admit()
-            done, t, n = dec.run(now, rows, slots, self.rec.knobs, self.rec.decode_s, version, published, self.spec,
-                                 trains_by)
+            done, t, n = dec.run(now, rows, slots, self.rec.knobs, self.rec.knobs.stream_decode_s or self.rec.decode_s,
+                                 version, published, self.spec, trains_by)
             stale, end = stale + n, max(end, t)
+            every += done
             for s in done:
                 rows_v.append(s.versions[0][0])
                 for v, c in s.versions:
                     tv[v] += c
                 tokens += s.prompt + s.length
-        return _Gen(r, i, version, np.asarray(rows_v, np.int64), tv, tokens, end + other, now, stale)
+        longest = max((s.prompt + s.length for s in every), default=0.0)
+        return _Gen(r, i, version, np.asarray(rows_v, np.int64), tv, tokens, end + other, now, stale,
+                    padded=len(every) * longest)
 
     def train(self, r: int, now: float) -> tuple[float, float]:
         """Training on batch r from `now`: (when it publishes the policy, when its lane ends). Its
@@ -556,7 +663,7 @@ class SegmentCosts:
             t_s, gap = self._value("train_s", g.ix), self._value("gap_s", g.ix)
         else:
             a, b = self.rec.train_fit
-            t_s, gap = a + b * g.tokens, float(np.median(self.cols["gap_s"][self.skip:]))
+            t_s, gap = a + b * g.padded, float(np.median(self.cols["gap_s"][self.skip:]))
         self.trained[r] = t_s
         return now + t_s, now + t_s + gap
 
@@ -566,10 +673,10 @@ def run_schedule(rec: LaneRecording, spec: ScheduleSpec, updates: int, skip: int
     simulated time over this recording's costs. One row per update, and totals."""
     from distflow_lab.experiments.sim_dispatch import SimDispatch
     from distflow_lab.runtime.schedule import ScheduleSetup
-    from distflow_lab.runtime.schedules import Lanes
+    from distflow_lab.runtime.schedule_lanes import Lanes
 
     costs = SegmentCosts(rec, spec, skip)
-    sim = SimDispatch(costs)
+    sim = SimDispatch(costs, *(rec.knobs.contention or (1.0, 1.0)))
     lanes = Lanes(ScheduleSetup(_two_groups(), "replay", spec.schedule, sim.dispatch(), None, 0))
     rows, busy = [], []
     for _ in range(updates):
@@ -669,7 +776,7 @@ def _summarize(spec: ScheduleSpec, t: pd.DataFrame, totals: dict, skip: int) -> 
             "trainer_idle": float((1 - m["train_s"] / m["wall_s"]).clip(lower=0).mean()),
             "rollout_idle": float((1 - m["rollout_busy_s"] / m["wall_s"]).clip(lower=0).mean()),
             "staleness_mean": float((rows.index.to_numpy(float) * rows.to_numpy()).sum()),
-            "staleness_dist": _dist_text(rows), "updates": len(m), **totals}
+            "staleness_dist": _dist_text(rows), "updates": len(m), "options": spec.options, **totals}
 
 
 def replay_schedules(source: Any, schedule: Any = ("sync", "one_step_off", "async:k=2", "async:k=2:partial"), *,
@@ -732,8 +839,12 @@ class ScheduleAccuracy:
         return f"<pre>{self!r}</pre>"
 
 
-def _measure(s: Any, spec: ScheduleSpec, updates: int, skip: int, train_stage: str) -> dict:
-    s.reopen(**spec.options)
+def measure(s: Any, options: dict, updates: int, skip: int, dag: Any = None) -> dict:
+    """Run `updates` updates of a schedule (`ScheduleSpec.options`) for real on the session, reopened
+    (same seed; `dag`: another DAG, e.g. regrouped); over the updates after `skip`: trained tokens/s,
+    median step seconds, trainer idle share, the trained samples' staleness distribution, the metrics."""
+    s.reopen(**({"dag": dag} if dag is not None else {}), **options)
+    train_stage = next(st.id for st in s.plan.stages if st.group == s.plan.groups[-1][0])
     m = s.run(updates, progress=False)
     m = m[m["step"] >= skip]
     it = s.items()
@@ -747,11 +858,14 @@ def _measure(s: Any, spec: ScheduleSpec, updates: int, skip: int, train_stage: s
 
 def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:k=2", "async:k=2:partial"),
                              steps: int = 8, warmup: int = 2, dag=None, workers: int = 4, mode: str = "coordinator",
-                             session=None, knobs: Knobs | None = None) -> ScheduleAccuracy:
+                             session=None, knobs: Knobs | None = None, calibrate: int = 10) -> ScheduleAccuracy:
     """Record `warmup + steps` sync updates on the synthetic long-tail DAG with worker groups
     (default: `bench.async_schedules.long_tail_dag`), replay `schedules`, run each for real
     on the same session (reopened: same seed, same batches), and compare over the `steps`
-    updates after the warm-up: trained tokens/s, and the share of trained samples by staleness."""
+    updates after the warm-up: trained tokens/s, and the share of trained samples by staleness.
+    `calibrate`: updates of one_step_off (and of async k=1 with partial rollouts, when a partial
+    schedule is asked for) run first to measure the lanes' contention and the streaming engine's
+    decode cost (`calibrate_lanes`; 0: none)."""
     from distflow_lab.api.session import Session
     from distflow_lab.experiments.bench.async_schedules import long_tail_dag
 
@@ -764,9 +878,10 @@ def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:
             s.reopen(schedule="sync")
         s.run(updates, progress=False)
         rec = load_lanes(s, skip=warmup, knobs=knobs)
-        train_stage = next(st.id for st in s.plan.stages if st.group == s.plan.groups[-1][0])
+        if calibrate:
+            rec = calibrate_lanes(s, rec, calibrate, min(warmup, calibrate - 1), any(sp.partial for sp in specs))
         predicted = replay_schedules(rec, [parse_schedule("sync"), *specs], updates=updates, skip=warmup)
-        real = {spec.name: _measure(s, spec, updates, warmup, train_stage) for spec in specs}
+        real = {spec.name: measure(s, spec.options, updates, warmup) for spec in specs}
     finally:
         if own:
             s.close()

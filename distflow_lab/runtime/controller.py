@@ -11,7 +11,7 @@ own rule (`Schedule.failed`), and writes and loads checkpoints (the schedule's p
 
     step():  schedule.step() -> StepReport -> _record
              (sync, runtime/schedule_sync.py: plane.begin_step, the stages, plane.end_step;
-              one_step_off / async, runtime/schedules.py: Lanes on two worker groups)
+              one_step_off / async, runtime/schedule_lanes.py: Lanes on two worker groups)
     failure: schedule.failed(err) -> None (the same update can run again) or why the session is broken
 
 The driver keeps only metadata: step reports (timings, counts, metrics). It
@@ -51,7 +51,7 @@ from distflow_lab.runtime.placement import Placement, default_threads, free_port
 from distflow_lab.runtime.gather import StageName, any_failed, gather, settle, wait
 from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
 from distflow_lab.runtime.schedule import Dispatch, Schedule, ScheduleSetup, open_schedule
-from distflow_lab.runtime import schedule_sync, schedules  # noqa: F401  (they register their schedules)
+from distflow_lab.runtime import schedule_lanes, schedule_sync  # noqa: F401  (they register their schedules)
 from distflow_lab.runtime.weights import WeightBoard, board_keep
 from distflow_lab.runtime.worker import WorkerSetup
 from distflow_lab.runtime.worker_pool import POOL, PoolKey, current_cluster

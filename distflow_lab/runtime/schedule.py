@@ -9,8 +9,8 @@ through `Dispatch`: the live controller gives it Ray calls and the wall clock, t
 what-if replay (experiments/sim_dispatch.py) simulated ones.
 
     sync          runtime/schedule_sync.py  one step at a time on every worker (stage by stage, or whole)
-    one_step_off  runtime/schedules.py      Lanes: generation and training on two worker groups, k = 1
-    async         runtime/schedules.py      Lanes, k = max_staleness, partial rollouts optional
+    one_step_off  runtime/schedule_lanes.py      Lanes: generation and training on two worker groups, k = 1
+    async         runtime/schedule_lanes.py      Lanes, k = max_staleness, partial rollouts optional
 
 Adding a schedule: one row in SCHEDULES (`core.config.register_schedule` adds one at run
 time, e.g. from a notebook) and one file with a class that has these methods, decorated

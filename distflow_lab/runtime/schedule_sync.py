@@ -12,7 +12,7 @@ state of it reset, loaders back at its start) so the same step can run again; a 
 that lost a data-plane actor before any training stage ran is retried once at once. A
 step that cannot be rewound (a worker dead or stuck) leaves the session broken.
 
-On worker groups "sync" is Lanes with k = 0 (runtime/schedules.py): the generation
+On worker groups "sync" is Lanes with k = 0 (runtime/schedule_lanes.py): the generation
 group's segment, then the training group's, in sync order (`open_sync` picks).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from distflow_lab.runtime.schedule import Schedule, ScheduleSetup, runs
 def open_sync(setup: ScheduleSetup) -> Schedule:
     """Sync on worker groups is Lanes in sync order; on one set of workers, SyncSchedule."""
     if setup.plan.groups:
-        from distflow_lab.runtime.schedules import Lanes
+        from distflow_lab.runtime.schedule_lanes import Lanes
 
         return Lanes(setup)
     return SyncSchedule(setup)

@@ -105,6 +105,13 @@ def segments(plan: Plan, kind: str) -> tuple[list[int], list[int]]:
     return first, second
 
 
+def runs_ahead(k: int, partial_rollout: bool) -> int:
+    """The pacing rule: how many batches generation may run ahead of training. With partial rollouts
+    one is enough to keep the trainer fed, and the rest of k is slack for sequences that continue
+    into later batches (see the module docstring)."""
+    return min(k, 1) if partial_rollout else k
+
+
 @dataclass(frozen=True)
 class InFlight:
     """A batch generated but not yet trained when a checkpoint was taken: replayed after a
@@ -133,9 +140,7 @@ class Lanes:
         replay, dropped = [InFlight(**f) for f in saved.get("in_flight", ())], saved.get("dropped_batches", 0)
         self.plan, self.mode, self.schedule, self.d = plan, setup.mode, schedule, dispatch
         self.k = schedule.staleness
-        # How many batches generation may run ahead. With partial rollouts one is enough to keep the trainer
-        # fed, and the rest of k is slack for sequences that continue into later batches (see the docstring).
-        self.ahead = min(self.k, 1) if schedule.partial_rollout else self.k
+        self.ahead = runs_ahead(self.k, schedule.partial_rollout)
         # Batches dropped in a row beyond this, with no update in between: nothing would ever train.
         self.max_stale_run = max(2, self.k + 1)
         self.gen_stages, self.train_stages = segments(plan, schedule.kind)

@@ -1,0 +1,169 @@
+"""Which schedule to run: candidate configurations ranked by the schedule replay's predictions.
+
+    a = lab.advise(s, max_staleness=2)          # a Session that ran sync on worker groups (or a run dir)
+    a.table                                     # one row per candidate, best first
+    a.figure()                                  # predicted tokens/s against staleness
+    a = lab.advise(s, verify=2)                 # and run the top two for real: a.regret
+
+Candidates: every schedule in SCHEDULES whose staleness bound is at most `max_staleness`
+(async at k = 1..max_staleness, with and without partial rollouts), on every split of the
+workers between generation and training (`workers`, default the recording's). Each is the
+schedule replay (experiments/schedule_replay.py: the real `Lanes` in simulated time) of the
+recording with its lanes rescaled to the split:
+
+    generation seconds x (recorded rollout workers / candidate rollout workers),
+    training seconds   x (recorded training workers / candidate training workers)
+
+(data parallel: each worker's share of the batch; the driver's gap unchanged). That is the
+model's weakest part: it assumes no fixed cost per worker and no change in contention, so
+`verify` runs the best candidates for real and reports the regret (how much slower the
+predicted best ran than the best of those run). Micro-batch sizes are not candidates: the
+recording has one, and the replay has no model of another.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pandas as pd
+
+from distflow_lab.core.config import SCHEDULES
+from distflow_lab.experiments.schedule_replay import (LaneRecording, ScheduleSpec, calibrate_lanes, load_lanes,
+                                                      parse_schedule, replay_schedules)
+
+
+def candidate_schedules(max_staleness: int) -> list[ScheduleSpec]:
+    """Every schedule within `max_staleness`: the fixed ones, and the others at each k, with and
+    without partial rollouts (from SCHEDULES' facts)."""
+    out = []
+    for name, facts in SCHEDULES.items():
+        if facts.staleness is not None:
+            if facts.staleness <= max_staleness:
+                out.append(parse_schedule(name))
+            continue
+        for k in range(1, max_staleness + 1):
+            for partial in ((False, True) if facts.partial_rollout else (False,)):
+                out.append(parse_schedule((name, {"max_staleness": k, "partial_rollout": partial})))
+    return out
+
+
+def rescale(rec: LaneRecording, split: tuple[int, int], recorded: tuple[int, int]) -> LaneRecording:
+    """The recording's lanes on another (generation, training) split (see the module docstring)."""
+    g, t = recorded[0] / split[0], recorded[1] / split[1]
+    if (g, t) == (1.0, 1.0):
+        return rec
+    b = rec.batches.copy()
+    b[["gen_s", "rollout_s"]] *= g
+    b["train_s"] *= t
+    a, slope = rec.train_fit
+    return replace(rec, batches=b, train_fit=(a * t, slope * t), decode_s=rec.decode_s * g,
+                   notes=[*rec.notes, f"rescaled from {recorded[0]}+{recorded[1]} to {split[0]}+{split[1]} workers "
+                                      f"(generation x{g:.2f}, training x{t:.2f})"])
+
+
+@dataclass
+class Advice:
+    """Candidates best first (`table`), and with `verify`, the real runs of the top ones."""
+
+    table: pd.DataFrame
+    verified: pd.DataFrame | None = None
+
+    @property
+    def best(self) -> dict:
+        return self.table.iloc[0].to_dict()
+
+    @property
+    def regret(self) -> float | None:
+        """1 - real tokens/s of the predicted best / the best real tokens/s among those verified."""
+        if self.verified is None or not len(self.verified):
+            return None
+        real = self.verified["real_tokens_per_s"]
+        return float(1 - real.iloc[0] / real.max())
+
+    def figure(self):
+        import plotly.express as px
+
+        t = self.table.assign(split=self.table["rollout_workers"].astype(str) + "+" +
+                              self.table["train_workers"].astype(str))
+        fig = px.scatter(t, x="staleness_mean", y="tokens_per_s", color="schedule", symbol="split",
+                         hover_data=["step_s", "trainer_idle", "rollout_idle"],
+                         title="advise: predicted throughput against staleness (up and left is better)")
+        if self.verified is not None:
+            fig.add_scatter(x=self.verified["real_staleness_mean"], y=self.verified["real_tokens_per_s"],
+                            mode="markers", marker=dict(symbol="x", size=12, color="black"), name="real (verify)")
+        return fig
+
+    def __repr__(self) -> str:
+        cols = ["rank", "schedule", "rollout_workers", "train_workers", "tokens_per_s", "staleness_mean", "step_s"]
+        out = f"advise: {len(self.table)} candidates, best first\n{self.table[cols].head(10).round(3).to_string(index=False)}"
+        if self.verified is not None:
+            out += (f"\nverified (real runs): regret {self.regret:.1%}\n"
+                    f"{self.verified.round(3).to_string(index=False)}")
+        return out
+
+    def _repr_html_(self) -> str:
+        return f"<pre>{self!r}</pre>"
+
+
+def advise(source: Any, *, max_staleness: int = 2, workers: int | None = None,
+           splits: list[tuple[int, int]] | None = None, recorded: tuple[int, int] | None = None, verify: int = 0,
+           updates: int | None = None, skip: int = 1, knobs: Any = None, calibrate: int = 0) -> Advice:
+    """Rank every candidate (schedule, k, partial rollouts, worker split) by predicted trained
+    tokens/s (ties: lower staleness) from a recorded sync run on worker groups. `workers`: the
+    worker budget to split (default the recording's); `splits`: the (generation, training)
+    splits to try (default every one); `recorded`: the recording's split (a Session knows);
+    `knobs`: the replay's (schedule_replay.Knobs); `calibrate=n` (a Session): n updates of
+    one_step_off and of async k=1 with partial rollouts measure the lanes' contention and the
+    streaming engine's decode cost first (`schedule_replay.calibrate_lanes`). `verify=n` (a
+    Session only) runs the top n for real on it (reopened: same seed) for as many updates as
+    the replay and reports them and the regret."""
+    rec = load_lanes(source, skip=skip, knobs=knobs)
+    recorded = recorded or _recorded_split(source)
+    if calibrate:
+        rec = calibrate_lanes(source, rec, calibrate, min(skip, calibrate - 1))
+    total = workers or sum(recorded)
+    splits = splits or [(g, total - g) for g in range(1, total)]
+    rows = []
+    for split in splits:
+        r = replay_schedules(rescale(rec, split, recorded), candidate_schedules(max_staleness),
+                             updates=updates, skip=skip)
+        for row in r.summary.to_dict("records"):
+            rows.append({"schedule": row["schedule"], "rollout_workers": split[0], "train_workers": split[1],
+                         **{k: row[k] for k in ("tokens_per_s", "staleness_mean", "step_s", "trainer_idle",
+                                                "rollout_idle", "dropped_batches")}, "options": row["options"]})
+    table = pd.DataFrame(rows).sort_values(["tokens_per_s", "staleness_mean"], ascending=[False, True],
+                                           ignore_index=True)
+    table.insert(0, "rank", range(1, len(table) + 1))
+    advice = Advice(table)
+    if verify:
+        if not hasattr(source, "reopen"):
+            raise ValueError("advise(verify=...) runs candidates for real: pass the Session, not a run dir")
+        advice.verified = _verify(source, table.head(verify), recorded, updates or len(rec.batches), skip)
+    return advice
+
+
+def _recorded_split(source: Any) -> tuple[int, int]:
+    plan = getattr(source, "plan", None)
+    if plan is None or len(plan.groups) != 2:
+        raise ValueError("advise needs a Session that ran sync on two worker groups (generation, training), or a "
+                         "run dir with recorded=(generation workers, training workers): it rescales their lanes")
+    return plan.groups[0][2], plan.groups[1][2]
+
+
+def _verify(s: Any, top: pd.DataFrame, recorded: tuple[int, int], updates: int, skip: int) -> pd.DataFrame:
+    """Run each of `top` for real on the session (reopened; another split: the DAG regrouped)."""
+    from distflow_lab.experiments.schedule_replay import measure
+
+    names = [g[0] for g in s.plan.groups]
+    dag, rows = s.dag, []
+    for row in top.to_dict("records"):
+        split = (row["rollout_workers"], row["train_workers"])
+        regrouped = dag if split == recorded else dag.copy().with_groups(**dict(zip(names, split)))
+        real = measure(s, row["options"], updates, skip, dag=regrouped)
+        rows.append({"rank": row["rank"], "schedule": row["schedule"], "rollout_workers": split[0],
+                     "train_workers": split[1], "predicted_tokens_per_s": row["tokens_per_s"],
+                     "real_tokens_per_s": real["tokens_per_s"],
+                     "error": row["tokens_per_s"] / real["tokens_per_s"] - 1,
+                     "real_staleness_mean": float((real["dist"].index.to_numpy(float) * real["dist"].to_numpy()).sum())})
+    s.reopen(dag=dag, schedule="sync")  # as it was
+    return pd.DataFrame(rows)
