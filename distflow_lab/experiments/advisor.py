@@ -7,7 +7,7 @@
 
 Candidates: every schedule in SCHEDULES whose staleness bound is at most `max_staleness`
 (async at k = 1..max_staleness, with and without partial rollouts), on every split of the
-workers between generation and training (`workers`, default the recording's). Each is the
+workers between generation and training (`budget`, default the recording's). Each is the
 schedule replay (experiments/schedule_replay.py: the real `Lanes` in simulated time) of the
 recording with its lanes rescaled to the split:
 
@@ -105,11 +105,11 @@ class Advice:
         return f"<pre>{self!r}</pre>"
 
 
-def advise(source: Any, *, max_staleness: int = 2, workers: int | None = None,
+def advise(source: Any, *, max_staleness: int = 2, budget: int | None = None,
            splits: list[tuple[int, int]] | None = None, recorded: tuple[int, int] | None = None, verify: int = 0,
            updates: int | None = None, skip: int = 1, knobs: Any = None, calibrate: int = 0) -> Advice:
     """Rank every candidate (schedule, k, partial rollouts, worker split) by predicted trained
-    tokens/s (ties: lower staleness) from a recorded sync run on worker groups. `workers`: the
+    tokens/s (ties: lower staleness) from a recorded sync run on worker groups. `budget`: the
     worker budget to split (default the recording's); `splits`: the (generation, training)
     splits to try (default every one); `recorded`: the recording's split (a Session knows);
     `knobs`: the replay's (schedule_replay.Knobs); `calibrate=n` (a Session): n updates of
@@ -121,8 +121,13 @@ def advise(source: Any, *, max_staleness: int = 2, workers: int | None = None,
     recorded = recorded or _recorded_split(source)
     if calibrate:
         rec = calibrate_lanes(source, rec, calibrate, min(skip, calibrate - 1))
-    total = workers or sum(recorded)
+    total = budget or sum(recorded)
+    if total < 2:
+        raise ValueError(f"advise: budget={total} workers cannot be split into a generation and a training group")
     splits = splits or [(g, total - g) for g in range(1, total)]
+    bad = [sp for sp in splits if len(sp) != 2 or min(sp) < 1]
+    if bad:
+        raise ValueError(f"advise: splits must be (generation workers, training workers), each >= 1; got {bad}")
     rows = []
     for split in splits:
         r = replay_schedules(rescale(rec, split, recorded), candidate_schedules(max_staleness),

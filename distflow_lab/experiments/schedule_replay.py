@@ -27,9 +27,8 @@ The cost models (`SegmentCosts`):
   generation of batch r takes G_r, less the recorded policy pull when it runs ahead at the
   version it already holds (a worker loads only a newer version);
   training of batch r takes T_r and publishes at its end, then the driver's c_r;
-  contention: while both lanes run, the generation lane runs f_g times slower and the
-  training lane f_t times (the groups share the machine's cores; a synthetic decoder's
-  sleep does not: its f_g stays near 1); fitted by `calibrate_lanes` from a few
+  contention: while both lanes run, each runs f times slower (the groups share the
+  machine's cores; Knobs.contention may give each lane its own f); fitted by `calibrate_lanes` from a few
   one_step_off updates the accuracy check runs itself, or Knobs.contention; 1.0 otherwise;
   warm-up: a reopened session on a real engine builds it again and pays its first updates'
   warm-up again, the synthetic DAG does not (Knobs.rewarm).
@@ -208,8 +207,7 @@ def calibrate_lanes(s: Any, rec: "LaneRecording", updates: int = 6, skip: int = 
     busy = s.controller.schedule.stats.busy  # (start, end) per lane call, in launch order
     f = fit_contention(rec, busy, skip)
     knobs = dataclasses.replace(rec.knobs, contention=f)
-    notes = [f"contention: generation {f[0]:.3f}x and training {f[1]:.3f}x slower while the other lane runs too "
-             f"(calibrate_lanes)"]
+    notes = [f"contention: each lane {f[0]:.3f}x slower while the other runs too (calibrate_lanes)"]
     d = calibrate_streaming(s, updates, skip) if streaming else None
     if d is not None:
         knobs = dataclasses.replace(knobs, stream_decode_s=d)
@@ -224,22 +222,22 @@ def _overlap(a: float, b: float, others: list[tuple[float, float]]) -> float:
 
 def fit_contention(rec: "LaneRecording", busy: dict[str, list[tuple[float, float]]], skip: int
                    ) -> tuple[float, float]:
-    """How much slower each lane ran while the other ran, from a one_step_off run of the recording's
+    """How much slower a lane ran while the other ran, from a one_step_off run of the recording's
     batches (`busy`: each lane's calls, in launch order): a lane of d seconds that overlapped the
     other for o seconds, and ran alone for s seconds in the sync recording, did s = (d - o) + o / f
-    seconds of work, so d - s = o (1 - 1/f) (least squares through 0 over each lane's calls after
-    `skip`). (generation f, training f); 1.0 where nothing overlapped or nothing slowed down."""
-    out = []
+    seconds of work, so d - s = o (1 - 1/f): least squares through 0 over both lanes' calls after
+    `skip`, one f for both (fitted per lane from ten updates, the generation lane's f swung from 1.0
+    to 1.8 between two vLLM runs; pooled it stays within 1.00-1.10). 1.0 where nothing overlapped
+    or nothing slowed down."""
+    x, y = [], []
     for kind, other, col in (("generate", "train", "gen_s"), ("train", "generate", "train_s")):
-        x, y = [], []
         for r, (a, b) in enumerate(busy[kind]):
             if r >= skip and r in rec.batches.index:
                 x.append(_overlap(a, b, busy[other]))
                 y.append((b - a) - float(rec.batches.at[r, col]))
-        x, y = np.asarray(x), np.asarray(y)
-        c = float(np.clip((x * y).sum() / (x * x).sum(), 0.0, 0.9)) if (x * x).sum() > 0 else 0.0  # 1 - 1/f
-        out.append(1.0 / (1.0 - c))
-    return out[0], out[1]
+    x, y = np.asarray(x), np.asarray(y)
+    c = float(np.clip((x * y).sum() / (x * x).sum(), 0.0, 0.9)) if (x * x).sum() > 0 else 0.0  # 1 - 1/f
+    return 1.0 / (1.0 - c), 1.0 / (1.0 - c)
 
 
 def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> float | None:

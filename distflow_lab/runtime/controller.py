@@ -15,14 +15,13 @@ own rule (`Schedule.failed`), and writes and loads checkpoints (the schedule's p
     failure: schedule.failed(err) -> None (the same update can run again) or why the session is broken
 
 The driver keeps only metadata: step reports (timings, counts, metrics). It
-counts the pickled bytes of everything workers send it (`bytes_to_driver`), so a
-test can show which modes move payloads through it.
+counts the pickled bytes of everything workers send it (`bytes_to_driver`, as each worker
+measured its own answer), so a test can show which modes move payloads through it.
 """
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import time
 import uuid
@@ -306,12 +305,12 @@ class Controller:
         or the named error (runtime/gather.py) with the step aborted in the data plane."""
         self._inflight = list(refs)
         self.driver_calls += len(refs)
-        out = gather(refs, workers if workers is not None else list(range(len(refs))), step, stage, limit_s,
-                     self._abort)
-        # what the driver received, counted as pickled bytes (a data plane's handoff is object refs, never pickled
-        # here: pickling a ref out of band pins its object for good)
-        self.metadata_bytes += sum(len(pickle.dumps(o[0] if isinstance(o, tuple) else o)) for o in out)
-        return out
+        return gather(refs, workers if workers is not None else list(range(len(refs))), step, stage, limit_s,
+                      self._abort, received=self._received)
+
+    def _received(self, nbytes: int) -> None:
+        """What the driver received from workers, as they measured it (runtime/gather.py: `sized`)."""
+        self.metadata_bytes += nbytes
 
     def _abort(self, step: int, reason: str) -> None:
         """Unblock workers waiting on this step inside the data plane."""

@@ -13,12 +13,19 @@ the same wherever it happens:
 Before raising, `abort(step, reason)` releases whatever waits on the step in the data plane.
 `stage` is the stage's id, or a function of the worker that names the stage it reached (a
 whole step or a segment runs several stages in one call).
+
+Workers report the size of their own answers: a worker method decorated `@sized` returns an
+`Answer` (the value and its pickled bytes, measured on the worker), which `gather` unwraps and
+counts (`received`), so the driver never pickles an answer to count what it received.
 """
 from __future__ import annotations
 
+import functools
+import pickle
 import re
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
@@ -32,10 +39,30 @@ PEER_GRACE_S = 3.0  # how long Ray may take to report the dead peer's actor
 StageName = str | Callable[[int], str]  # a stage id, or the stage a given worker reached
 
 
+@dataclass
+class Answer:
+    """A worker's answer and its size, pickled, as the worker measured it."""
+
+    value: Any
+    nbytes: int
+
+
+def sized(method: Callable) -> Callable:
+    """A worker method whose answer reports its own size (`Answer`). Of a (result, handoff) pair only
+    the result counts: a data plane's handoff is object refs, and pickling a ref out of band would
+    pin its object for good."""
+    @functools.wraps(method)
+    def answer(self, *args: Any, **kwargs: Any) -> Answer:
+        out = method(self, *args, **kwargs)
+        return Answer(out, len(pickle.dumps(out[0] if isinstance(out, tuple) else out)))
+    return answer
+
+
 def gather(refs: list, workers: list[int], step: int, stage: StageName, limit_s: float,
-           abort: Callable[[int, str], None]) -> list:
-    """Every answer of `refs` (the calls to `workers`, in that order) within `limit_s`; on the
-    first failure or past the deadline: `abort` the step, then raise the named StageError."""
+           abort: Callable[[int, str], None], received: Callable[[int], None] = lambda nbytes: None) -> list:
+    """Every answer of `refs` (the calls to `workers`, in that order) within `limit_s`, unwrapped
+    (`received` is told their bytes); on the first failure or past the deadline: `abort` the step,
+    then raise the named StageError."""
     index = dict(zip(refs, workers))
     pending, deadline = list(refs), time.monotonic() + limit_s
     while pending:
@@ -48,7 +75,9 @@ def gather(refs: list, workers: list[int], step: int, stage: StageName, limit_s:
                                f"{late} (the node's timeout_s, or cluster.stage_timeout_s)", step=step,
                                stage=name, worker=late[0])
         _check(ready[0], step, stage, index[ready[0]], pending, index, abort)
-    return ray.get(refs, timeout=60)
+    out = ray.get(refs, timeout=60)
+    received(sum(a.nbytes for a in out if isinstance(a, Answer)))
+    return [a.value if isinstance(a, Answer) else a for a in out]
 
 
 def _name(stage: StageName, worker: int) -> str:

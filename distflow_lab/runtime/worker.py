@@ -37,6 +37,7 @@ from distflow_lab.graph.nodes import call_stage, resolve_function
 from distflow_lab.graph.planner import Plan, Stage
 from distflow_lab.runtime.context import StageContext, stage_context
 from distflow_lab.runtime.engines import StageState, WorkerEngines, check_engines
+from distflow_lab.runtime.gather import sized
 from distflow_lab.runtime.profiling import ProfileSpec, profile_stage
 from distflow_lab.runtime.progress import ProgressNote
 from distflow_lab.runtime.results import StageResult
@@ -110,6 +111,7 @@ class DAGWorker:
         self.dist_base = 0  # the DAG rank of this worker's torch.distributed rank 0 (worker groups: per group)
 
     # ---- lifecycle ---------------------------------------------------------------
+    @sized
     def setup(self, s: WorkerSetup) -> dict:
         """(Re)configure this worker for a plan. Called again when a session reuses the
         workers for another DAG, mode or switches: everything of the last plan goes."""
@@ -191,6 +193,7 @@ class DAGWorker:
         """A parked worker's liveness check: its pid."""
         return os.getpid()
 
+    @sized
     def init_process_group(self, master_addr: str, port: int, backend: str = "gloo", timeout_s: float = 300.0,
                            rank: int | None = None, world_size: int | None = None) -> bool:
         """Join a torch.distributed world as `rank` of `world_size` (default: every worker, by DAG
@@ -220,6 +223,7 @@ class DAGWorker:
             pass
 
     # ---- running -------------------------------------------------------------------
+    @sized
     def run_step(self, step: int) -> list[StageResult]:
         """Every stage of `step` this worker runs, back to back (data planes where the driver moves no data)."""
         return self.run_segment(step, self.mine)
@@ -230,10 +234,11 @@ class DAGWorker:
         for i in stages:
             if i in self.mine:
                 self.note.write(step, self.plan.stages[i].id)  # read only to name the stage of a failure
-                results.append(self.run_stage(step, i)[0])
+                results.append(self._run_stage(step, i)[0])
         return results
 
     # ---- weight sync between groups (see weights.py) ----------------------------------
+    @sized
     def generate_segment(self, step: int, stages: list[int], trains_by: int | None = None,
                          version: int | None = None, replayed: bool = False) -> dict:
         """A generation segment: pull policy `version` (the newest when the driver launched it,
@@ -254,6 +259,7 @@ class DAGWorker:
         return {"results": results, "version": version, "checksum": w.checksum() if w is not None else 0.0,
                 "version_min": version if self._version_min is None else self._version_min}
 
+    @sized
     def train_segment(self, step: int, stages: list[int]) -> dict:
         """A training segment, then publish the updated policy (collective export). Returns the
         results and the policy version before and after the segment (None: no weights engine;
@@ -369,7 +375,12 @@ class DAGWorker:
                                   f"in stage {stage!r} (worker {self.rank}, step {step}); call resume()", step=step,
                                   stage=stage, worker=self.rank) from None
 
+    @sized
     def run_stage(self, step: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
+        """One stage, called by the driver (see `_run_stage`)."""
+        return self._run_stage(step, index, arg)
+
+    def _run_stage(self, step: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
         """One stage: fetch, compute, publish. Returns this worker's account and the
         data plane's handoff to the driver (None unless the driver moves the data)."""
         st = self.plan.stages[index]
@@ -531,6 +542,7 @@ class DAGWorker:
         return False
 
     # ---- checkpoints -----------------------------------------------------------------
+    @sized
     def save_checkpoint(self, directory: str, step: int = 0, resume_step: int | None = None,
                         board_versions: tuple[int, ...] = ()) -> list[str]:
         """Trainable engines (collective: every worker calls), this rank's loader position and,
@@ -559,6 +571,7 @@ class DAGWorker:
             saved.append("board")
         return saved
 
+    @sized
     def load_checkpoint(self, directory: str) -> list[str]:
         d = Path(directory)
         loaded = []
