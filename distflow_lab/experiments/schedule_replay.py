@@ -179,9 +179,12 @@ class Knobs:
     are replayed as recorded); the synthetic DAG is warm at once (None: False: replayed at the
     costs fitted on the steps after them)."""
     stream_decode_s: float | None = None
-    """Seconds per decode iteration of the streaming engine partial rollouts run on (its refreshes and
-    resumes included); None: decode_s, fitted on the sync run's static batches (`calibrate_streaming`
-    measures it: on vLLM it is several times the static batch's)."""
+    """Seconds per decode iteration of the streaming engine partial rollouts run on; None: decode_s,
+    fitted on the sync run's static batches (`calibrate_streaming` measures it)."""
+    stream_call_s: float | None = None
+    """Seconds a streaming rollout call costs besides its decode iterations: admitting (prefilling)
+    its prompts and resuming the sequences a weight update preempted (vLLM: about 0.13 s a call on
+    the tiny model, more than its 5-10 iterations); None: 0 (`calibrate_streaming` measures it)."""
     contention: tuple[float, float] | None = None
     """(generation, training): how much slower each lane runs while the other runs too (the groups
     share the machine's cores); None: (1, 1), or what `calibrate_lanes` measured."""
@@ -208,11 +211,12 @@ def calibrate_lanes(s: Any, rec: "LaneRecording", updates: int = 6, skip: int = 
     f = fit_contention(rec, busy, skip)
     knobs = dataclasses.replace(rec.knobs, contention=f)
     notes = [f"contention: each lane {f[0]:.3f}x slower while the other runs too (calibrate_lanes)"]
-    d = calibrate_streaming(s, updates, skip) if streaming else None
-    if d is not None:
-        knobs = dataclasses.replace(knobs, stream_decode_s=d)
-        notes.append(f"streaming decode {d * 1e3:.2f} ms/iteration (calibrate_streaming), against "
-                     f"{rec.decode_s * 1e3:.2f} ms on the sync run's static batches")
+    fit = calibrate_streaming(s, updates, skip) if streaming else None
+    if fit is not None:
+        knobs = dataclasses.replace(knobs, stream_call_s=fit[0], stream_decode_s=fit[1])
+        notes.append(f"streaming rollout: {fit[0] * 1e3:.1f} ms a call + {fit[1] * 1e3:.2f} ms an iteration "
+                     f"(calibrate_streaming), against {rec.decode_s * 1e3:.2f} ms an iteration on the sync run's "
+                     f"static batches")
     return dataclasses.replace(rec, knobs=knobs, notes=[*rec.notes, *notes])
 
 
@@ -240,11 +244,11 @@ def fit_contention(rec: "LaneRecording", busy: dict[str, list[tuple[float, float
     return 1.0 / (1.0 - c), 1.0 / (1.0 - c)
 
 
-def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> float | None:
-    """Run `updates` async k=1 updates with partial rollouts on the session (reopened) and return the
-    streaming engine's seconds per decode iteration: the rollout stage's compute seconds over its
-    decode iterations (`rollout/decode_iterations`), after `skip`. None: the rollout does not count
-    its iterations (the synthetic decoder's cost is its own knob)."""
+def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> tuple[float, float] | None:
+    """Run `updates` async k=1 updates with partial rollouts on the session (reopened) and fit the
+    streaming engine's cost: per call, rollout compute seconds = a + d * decode iterations
+    (`rollout/decode_iterations`; least squares over the calls after `skip`; (a, d)). None: the
+    rollout does not count its iterations (the synthetic decoder's cost is its own knob)."""
     s.reopen(schedule="async", max_staleness=1, partial_rollout=True)
     m = s.run(updates, progress=False)
     if "rollout/decode_iterations" not in m:
@@ -252,9 +256,18 @@ def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> float | None
     m = m[m["step"] >= skip]
     rollout = next(st.id for st in s.plan.stages if st.type == "generate")
     sp = s.spans
-    sec = sp[(sp["stage"] == rollout) & (sp["phase"] == "compute") & sp["step"].isin(m["step"])]["seconds"].sum()
-    iters = float(m["rollout/decode_iterations"].sum())
-    return float(sec / iters) if iters > 0 else None
+    sec = sp[(sp["stage"] == rollout) & (sp["phase"] == "compute")].groupby(["step", "worker"])["seconds"].sum() \
+        .groupby("step").max().reindex(m["step"]).to_numpy(float)
+    iters = m["rollout/decode_iterations"].to_numpy(float) / max(1, s.plan.stage(rollout).dp)  # per rank: counts add up
+    ok = np.isfinite(sec) & np.isfinite(iters) & (iters > 0)
+    sec, iters = sec[ok], iters[ok]
+    if not len(sec):
+        return None
+    if len(sec) >= 3 and np.ptp(iters) > 0:
+        d, a = np.polyfit(iters, sec, 1)
+        if d > 0 and a >= 0:
+            return float(a), float(d)
+    return 0.0, float(sec.sum() / iters.sum())
 
 
 @dataclass
@@ -639,7 +652,8 @@ class SegmentCosts:
             slots = int(self.rec.knobs.slots_per_row * rows)
             while len(dec.waiting) + len(dec.active) < slots:  # keep every slot busy: later prompts start now
                 dec.admit()
-            done, t, n = dec.run(now, rows, slots, self.rec.knobs, self.rec.knobs.stream_decode_s or self.rec.decode_s,
+            k = self.rec.knobs  # a call first admits its prompts and resumes what an update preempted
+            done, t, n = dec.run(now + (k.stream_call_s or 0.0), rows, slots, k, k.stream_decode_s or self.rec.decode_s,
                                  version, published, self.spec, trains_by)
             stale, end = stale + n, max(end, t)
             every += done
