@@ -203,3 +203,14 @@ def test_contention_slows_the_overlapped_part_of_a_lane(tmp_path):
     t = replay_schedules(rec, ["one_step_off"], skip=0, knobs=Knobs(contention=(1.0, 2.0))).table
     assert t["wall_s"].iloc[0] == pytest.approx(0.3 + 0.67)
     assert np.allclose(t["wall_s"].iloc[1:], 0.67)
+
+
+def test_training_cost_follows_whichever_tokens_fit_the_recording():
+    """A real engine pads a batch to its longest row; the synthetic DAG sleeps per token trained:
+    the fit takes whichever the recorded training seconds follow."""
+    from distflow_lab.experiments.schedule_replay import _fit_train
+
+    b = pd.DataFrame({"tokens": [100.0, 300.0, 200.0, 400.0], "padded": [800.0, 900.0, 2000.0, 1000.0]})
+    assert _fit_train(b.assign(train_s=0.01 + 1e-4 * b["tokens"]), 0)[2] == "tokens"
+    a, slope, feature = _fit_train(b.assign(train_s=2e-4 * b["padded"]), 0)
+    assert feature == "padded" and slope == pytest.approx(2e-4) and a == pytest.approx(0, abs=1e-9)

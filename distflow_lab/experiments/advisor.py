@@ -55,8 +55,8 @@ def rescale(rec: LaneRecording, split: tuple[int, int], recorded: tuple[int, int
     b = rec.batches.copy()
     b[["gen_s", "rollout_s"]] *= g
     b["train_s"] *= t
-    a, slope = rec.train_fit
-    return replace(rec, batches=b, train_fit=(a * t, slope * t), decode_s=rec.decode_s * g,
+    a, slope, feature = rec.train_fit
+    return replace(rec, batches=b, train_fit=(a * t, slope * t, feature), decode_s=rec.decode_s * g,
                    notes=[*rec.notes, f"rescaled from {recorded[0]}+{recorded[1]} to {split[0]}+{split[1]} workers "
                                       f"(generation x{g:.2f}, training x{t:.2f})"])
 

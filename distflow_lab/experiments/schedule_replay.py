@@ -47,7 +47,8 @@ the static batch waits for its longest response, so rollout seconds = d * (max i
 recorded order per rank (a partial run draws its own: same distribution, not the same
 draws), cycled past the recording. A partial batch holds other sequences than the sync
 batch, usually shorter ones (the long tail carries over, and ages out): T = a + b * padded
-tokens (least squares over the recorded steps; a batch pads to its longest row), and the
+tokens (a real engine's batch pads to its longest row) or trained tokens (the synthetic DAG),
+whichever fits the recorded steps better (least squares), and the
 rest of the generation lane (G_r - rollout_r) as recorded. Refresh pulls cost nothing here
 (about a millisecond each on the bench).
 
@@ -276,7 +277,7 @@ class LaneRecording:
 
     batches: pd.DataFrame  # index batch r: gen_s, train_s, gap_s, wall_s, tokens, rows, rollout_s
     lengths: dict[int, list[np.ndarray]]  # batch -> per rollout rank: response lengths (decode iterations)
-    train_fit: tuple[float, float]  # train_s = a + b * padded tokens (rows x the batch's longest)
+    train_fit: tuple[float, float, str]  # train_s = a + b * x, x "padded" (rows x the longest) or "tokens"
     decode_s: float  # one decode iteration
     prompt_tokens: float  # per sequence
     knobs: Knobs
@@ -318,15 +319,31 @@ def _fit_decode(items: pd.DataFrame, spans: pd.DataFrame, rollout: str, skip: in
     return float((both["y"] / both["x"]).median()), 0.0
 
 
-def _fit_train(b: pd.DataFrame, skip: int) -> tuple[float, float]:
-    """train_s = a + b * padded tokens: a batch is padded to its longest sequence, so a long tail
-    costs the whole batch (on the HF recording this fits far better than the tokens trained)."""
-    x, y = b["padded"].to_numpy(float)[skip:], b["train_s"].to_numpy(float)[skip:]
+TRAIN_FEATURES = ("padded", "tokens")  # what training seconds may grow with, the first preferred on a tie
+
+
+def _fit_train(b: pd.DataFrame, skip: int) -> tuple[float, float, str]:
+    """train_s = a + b * x, with x the padded tokens (rows x the batch's longest: a batch padded to
+    its longest sequence pays for its long tail whole, as the real engines' training does) or the
+    tokens trained (as the synthetic DAG's simulated training does), whichever fits the recorded
+    steps better (least squares); (a, b, which)."""
+    y = b["train_s"].to_numpy(float)[skip:]
+    fits = []
+    for feature in TRAIN_FEATURES:
+        x = b[feature].to_numpy(float)[skip:]
+        a, slope = _line(x, y)
+        fits.append((float(((a + slope * x - y) ** 2).sum()) if len(y) else 0.0, a, slope, feature))
+    _, a, slope, feature = min(fits, key=lambda f: f[0])
+    return a, slope, feature
+
+
+def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(intercept, slope) >= 0 of y against x: least squares, else through the origin, else the mean."""
     if len(x) >= 2 and np.ptp(x) > 0:
         slope, a = np.polyfit(x, y, 1)
         if slope >= 0 and a >= 0:
             return float(a), float(slope)
-        return 0.0, float((x * y).sum() / (x * x).sum())  # through the origin
+        return 0.0, float((x * y).sum() / (x * x).sum())
     return float(y.mean() if len(y) else 0.0), 0.0
 
 
@@ -454,7 +471,7 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
                      f"assumed to keep its recorded per-stage times on a group of its own")
     if skip and not knobs.rewarm:
         notes.append(f"the first {skip} recorded step(s) (warm-up: engines, caches) are replayed at the fitted costs "
-                     f"(training a + b * padded tokens, rollout d * longest response), not their recorded seconds")
+                     f"(training a + b * padded or trained tokens, rollout d * longest response), not their recorded seconds")
     elif skip:
         notes.append(f"the first {skip} recorded step(s) (warm-up) are replayed as recorded: a reopened session's "
                      f"real engines pay their warm-up again (Knobs.rewarm)")
@@ -476,7 +493,7 @@ def _dewarm(b: pd.DataFrame, skip: int, lengths: dict[int, list[np.ndarray]], d:
         longest = max((int(x.max()) for x in lengths.get(int(r), []) if len(x)), default=0)
         rollout = d * longest if longest else float(rest["rollout_s"].median())
         b.loc[r, ["rollout_s", "gen_s", "train_s", "gap_s"]] = [rollout, rollout + other,
-                                                               fit[0] + fit[1] * b.at[r, "padded"],
+                                                               fit[0] + fit[1] * b.at[r, fit[2]],
                                                                float(rest["gap_s"].median())]
     return b
 
@@ -674,8 +691,8 @@ class SegmentCosts:
         if self.decoders is None:
             t_s, gap = self._value("train_s", g.ix), self._value("gap_s", g.ix)
         else:
-            a, b = self.rec.train_fit
-            t_s, gap = a + b * g.padded, float(np.median(self.cols["gap_s"][self.skip:]))
+            a, b, feature = self.rec.train_fit
+            t_s, gap = a + b * getattr(g, feature), float(np.median(self.cols["gap_s"][self.skip:]))
         self.trained[r] = t_s
         return now + t_s, now + t_s + gap
 
