@@ -8,9 +8,9 @@ factory) registered under the same name with `@runs(name)`, built from a
 through `Dispatch`: the live controller gives it Ray calls and the wall clock, the
 what-if replay (experiments/sim_dispatch.py) simulated ones.
 
-    sync          runtime/schedule_sync.py  one step at a time on every worker (stage by stage, or whole)
-    one_step_off  runtime/schedule_lanes.py      Lanes: generation and training on two worker groups, k = 1
-    async         runtime/schedule_lanes.py      Lanes, k = max_staleness, partial rollouts optional
+    sync          runtime/schedule_sync.py   one step at a time on every worker (stage by stage, or whole)
+    one_step_off  runtime/schedule_lanes.py  Lanes: generation and training on two worker groups, k = 1
+    async         runtime/schedule_lanes.py  Lanes, k = max_staleness, partial rollouts optional
 
 Adding a schedule: one row in SCHEDULES (`core.config.register_schedule` adds one at run
 time, e.g. from a notebook) and one file with a class that has these methods, decorated
@@ -74,8 +74,9 @@ class Schedule(Protocol):
     def step(self) -> "StepReport":
         """Run until one more training update has finished; its report."""
 
-    def step_stage(self) -> "StageReport":
-        """Run the next stage of the current update (SessionBroken, naming the schedule, where it cannot)."""
+    def step_stage(self) -> "tuple[StageReport, StepReport | None]":
+        """Run the next stage of the current update; its report, and the update's when that stage ended it
+        (SessionBroken, naming the schedule, where it cannot stop between stages)."""
 
     def failed(self, err: StageError) -> str | None:
         """After `step` raised `err`: None if the same update can run again, else why the session is broken."""
