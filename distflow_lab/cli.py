@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from distflow_lab.core.config import GENERATED_DATA, MODES, SCHEDULES
+from distflow_lab.core.config import MODES, SCHEDULES
 from distflow_lab.core.errors import FriendlyError
 
 
@@ -133,7 +133,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     overrides = list(a.overrides) + ([f"mode={a.mode}"] if a.mode else [])
     cfg = load_run_config(a.config, overrides)
     run_dir(cfg, a.out, a.overwrite, a.resume)  # refuse to replace a run before anything starts
-    if cfg.data.train not in GENERATED_DATA:  # a given file: check it now, not after the imports
+    from distflow_lab.datasets.registry import is_dataset
+
+    if not is_dataset(cfg.data.train):  # a given file: check it now, not after the imports
         validate_table(read_table(cfg.data.train), cfg.data.train)
     from distflow_lab.api.runner import train  # the heavy part: torch, Ray, transformers
 

@@ -10,7 +10,7 @@ import torch
 
 from distflow_lab.algos import grpo
 from distflow_lab.algos.engine_setup import Policy, RLEngines
-from distflow_lab.algos.registry import ALGORITHMS, build_dag, with_defaults
+from distflow_lab.algos.registry import algorithm_names, build_dag, with_defaults
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ConfigError, RunConfig, load_model
 from distflow_lab.graph.nodes import resolve_function
@@ -54,7 +54,7 @@ def batch(rows: int = 4) -> Batch:
                  {"uid": np.array(["a"] * rows, dtype=object)})
 
 
-@pytest.mark.parametrize("name", list(ALGORITHMS))
+@pytest.mark.parametrize("name", algorithm_names())
 @pytest.mark.parametrize("off_policy", ["none", "decoupled", "tis"])
 def test_every_algorithms_update_advances_the_policy_and_reads_what_it_needs(name, off_policy):
     cfg = run_config(name, actor={"off_policy": off_policy, "use_kl_loss": True, "mini_batches": 2})
@@ -82,7 +82,7 @@ def test_update_metrics_average_over_mini_batches_but_max_stays_a_max():
     assert ctx.metrics["actor/loss"] == pytest.approx(sum(losses) / 2)
 
 
-@pytest.mark.parametrize("name", [n for n in ALGORITHMS if n != "ppo"])
+@pytest.mark.parametrize("name", [n for n in algorithm_names() if n != "ppo"])
 @pytest.mark.parametrize("groups", [None, {"rollout": 1, "train": 1}])
 def test_old_log_prob_from_update_drops_the_pass_and_measures_the_mismatch_in_the_update(name, groups):
     cfg = run_config(name, actor={"old_log_prob": "from_update", "off_policy": "tis", "use_kl_loss": True},
@@ -113,7 +113,7 @@ def test_old_log_prob_from_update_is_refused_where_the_update_is_not_the_old_pol
         run_config(sections.get("algorithm", {}).get("name", "grpo"), **sections)
 
 
-@pytest.mark.parametrize("name", list(ALGORITHMS))
+@pytest.mark.parametrize("name", algorithm_names())
 @pytest.mark.parametrize("groups", [None, {"rollout": 1, "train": 1}])
 def test_kl_in_reward_puts_the_advantage_after_both_log_probs(name, groups):
     cfg = run_config(name, algorithm={"use_kl_in_reward": True}, actor={"use_kl_loss": False},
@@ -138,7 +138,7 @@ def test_every_estimator_sees_the_kl_shaped_reward(estimator):
 
     def adv(cfg, b):
         ctx = local_context(build_dag(cfg, "u.parquet").plan(1), "advantage", config=cfg)
-        return grpo.estimate(b, ctx, default=estimator)["advantages"], ctx
+        return grpo.advantage(b, ctx)["advantages"], ctx
 
     a0, _ = adv(plain, b)
     a1, ctx = adv(shaped, b)

@@ -25,7 +25,7 @@ ALGORITHMS = {
     "rloo": ("tiny-cpu-grpo", ["algorithm.adv_estimator=rloo"]),
     "reinforce_plus_plus": ("tiny-cpu-grpo", ["algorithm.adv_estimator=reinforce_plus_plus"]),
     "ppo": ("tiny-cpu-ppo", []),
-    "dapo": ("tiny-cpu-dapo", ["algorithm.dapo.max_rounds=2"]),
+    "dapo": ("tiny-cpu-dapo", ["algorithm.options.max_rounds=2"]),
     "gspo_lora": ("tiny-cpu-gspo", ["actor.lora={rank: 4, alpha: 8}"]),
 }
 pytestmark = pytest.mark.full  # the whole algorithm x schedule x engine matrix: the full tier

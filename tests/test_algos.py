@@ -10,6 +10,7 @@ import torch
 
 from distflow_lab.algos.estimators import (
     ESTIMATORS,
+    run_estimator,
     discounted_returns,
     dr_grpo_outcome_advantage,
     gae_advantage,
@@ -169,20 +170,23 @@ def test_gae_discounted():
 
 
 def test_registry():
-    from distflow_lab.algos.registry import ALGORITHMS
+    from distflow_lab.algos.registry import ALGORITHMS, algorithm
     from distflow_lab.core.batch import Batch
     from distflow_lab.core.config import AlgorithmOptions
 
     assert set(ESTIMATORS) >= {"grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "gae"}
-    assert all(e in ESTIMATORS for a in ALGORITHMS.values() for e in a.estimators)  # every listed one exists
+    algorithm("grpo")  # declares the built-in ones
+    for name in ALGORITHMS:  # every declared default exists and is of a kind the algorithm runs
+        decl = algorithm(name)
+        assert ESTIMATORS.get(decl.estimator).facts["kind"] in decl.estimator_kinds, name
     s, m = T([1.0, 0.0, 1.0, 0.0]), torch.ones(4, 3)
     b = Batch({"scores": s, "response_mask": m, "values": torch.zeros(4, 3)}, {"uid": ["0"] * 4})
     alg = AlgorithmOptions()
-    close(ESTIMATORS["dr_grpo"](b, alg, None)[0][:, 0], [0.5, -0.5, 0.5, -0.5])
-    close(ESTIMATORS["grpo"](b, alg, None)[0][:, 0], [0.866025, -0.866025] * 2)
-    close(ESTIMATORS["gae"](b, alg, None)[0], ESTIMATORS["reinforce_plus_plus"](b, alg, None)[0])  # V=0, gamma=lam=1
+    close(run_estimator("dr_grpo", b, alg)[0][:, 0], [0.5, -0.5, 0.5, -0.5])
+    close(run_estimator("grpo", b, alg)[0][:, 0], [0.866025, -0.866025] * 2)
+    close(run_estimator("gae", b, alg)[0], run_estimator("reinforce_plus_plus", b, alg)[0])  # V=0, gamma=lam=1
     with_kl = b.with_columns(token_rewards=outcome_to_token_rewards(s, m) * 2)  # a stage put rewards in a column
-    assert not torch.equal(ESTIMATORS["gae"](with_kl, alg, None)[1], ESTIMATORS["gae"](b, alg, None)[1])
+    assert not torch.equal(run_estimator("gae", with_kl, alg)[1], run_estimator("gae", b, alg)[1])
 
 
 def test_outcome_estimators_read_token_rewards():
@@ -196,10 +200,10 @@ def test_outcome_estimators_read_token_rewards():
     b = Batch({"scores": T([1.0, 0.0, 1.0, 0.0]), "response_mask": torch.ones(4, 3), "token_rewards": r},
               {"uid": ["0"] * 4})
     alg = AlgorithmOptions()
-    close(ESTIMATORS["dr_grpo"](b, alg, None)[0][:, 0], [0.0, -1.0, 2.0, -1.0])
-    close(ESTIMATORS["rloo"](b, alg, None)[0][:, 0], [0.0, -4 / 3, 8 / 3, -4 / 3])
+    close(run_estimator("dr_grpo", b, alg)[0][:, 0], [0.0, -1.0, 2.0, -1.0])
+    close(run_estimator("rloo", b, alg)[0][:, 0], [0.0, -4 / 3, 8 / 3, -4 / 3])
     # grpo: unbiased std of [1,0,3,0] = sqrt((0+1+4+1)/3) = sqrt(2) -> (s - 1)/1.414214
-    close(ESTIMATORS["grpo"](b, alg, None)[0][:, 0], [0.0, -0.707107, 1.414214, -0.707107])
+    close(run_estimator("grpo", b, alg)[0][:, 0], [0.0, -0.707107, 1.414214, -0.707107])
 
 
 # ---------------------------------------------------------------- aggregation

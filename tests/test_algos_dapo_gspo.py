@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from distflow_lab.algos import dapo, grpo, gspo
+from distflow_lab.algos import dapo, grpo
 from distflow_lab.algos.engine_setup import RLEngines
 from distflow_lab.algos.losses import aggregate_loss, gspo_token_loss
-from distflow_lab.algos.registry import build_dag, with_defaults
+from distflow_lab.algos.registry import algorithm_options, build_dag, with_defaults
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ConfigError, RunConfig, load_model, parse_run_config
+from distflow_lab.graph.nodes import resolve_function
 from distflow_lab.models.sequences import assemble_columns
 from distflow_lab.models.tokenizer import build_char_tokenizer
 from distflow_lab.runtime.context import local_context
@@ -31,7 +32,7 @@ def run_config(**sections) -> RunConfig:
     """A small DAPO config on one worker (dp 1); `sections` replace parts of it."""
     base = {"cluster": {"world_size": 1, "torch_distributed": False}, "data": {"prompts_per_step": 2},
             "rollout": {"n": 2, "max_response_len": 4},
-            "algorithm": {"name": "dapo", "dapo": {"oversample": 2.0, "overlong_shaping": False}}}
+            "algorithm": {"name": "dapo", "options": {"oversample": 2.0, "overlong_shaping": False}}}
     return load_model(RunConfig, {**base, **sections})
 
 
@@ -94,11 +95,12 @@ def update_batch(ratio: float, adv: float) -> Batch:
                   "advantages": torch.full((1, 2), adv)}, {"uid": np.array(["p"], dtype=object)})
 
 
-def run_update(module, cfg, batch):
-    plan = build_dag(cfg, "unused.parquet").plan(1)
+def run_update(cfg, batch):
+    """The actor update stage of `cfg`'s DAG (every algorithm's is the shared one) on a fake engine."""
+    dag = build_dag(cfg, "unused.parquet")
     actor = FakeActor()
-    ctx = local_context(plan, "actor_update", config=cfg, engines=RLEngines(TOK, None, actor=actor))
-    module.actor_update(batch, ctx)
+    ctx = local_context(dag.plan(1), "actor_update", config=cfg, engines=RLEngines(TOK, None, actor=actor))
+    resolve_function(dag["actor_update"].fn)(batch, ctx)
     return actor
 
 
@@ -106,7 +108,7 @@ def test_gspo_update_uses_sequence_mean_and_its_clip():
     cfg = run_config(algorithm={"name": "gspo"}, actor={"clip_ratio_low": 0.1, "clip_ratio_high": 0.1,
                                                         "use_kl_loss": False})
     b = update_batch(1.0, 1.0)
-    actor = run_update(gspo, cfg, b)
+    actor = run_update(cfg, b)
     assert actor.agg == "seq-mean-token-mean" and "ref_log_probs" not in actor.mini
     logp = torch.log(T([[1.5, 1.5]]))  # s = 1.5 > 1.1: clipped to 1.1, A = 1 -> -1.1 per token
     loss, _, metrics = actor.loss_fn(actor.mini, logp, None)
@@ -120,8 +122,8 @@ def test_gspo_update_uses_sequence_mean_and_its_clip():
 @pytest.mark.parametrize("clip_higher, expected", [(True, -1.25), (False, -1.2)])
 def test_dapo_clip_higher(clip_higher, expected):
     cfg = run_config(actor={"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "use_kl_loss": False},
-                     algorithm={"name": "dapo", "dapo": {"clip_higher": clip_higher}})
-    actor = run_update(dapo, cfg, update_batch(1.0, 1.0))
+                     algorithm={"name": "dapo", "options": {"clip_higher": clip_higher}})
+    actor = run_update(cfg, update_batch(1.0, 1.0))
     # ratio 1.25, A = +1: clip-higher bound 1.28 leaves it, -1.25; the symmetric bound 1.2 cuts it, -1.2
     loss, _, _ = actor.loss_fn(actor.mini, torch.log(T([[1.25, 1.25]])), None)
     close(loss, [[expected, expected]])
@@ -132,8 +134,8 @@ def test_dapo_clip_higher(clip_higher, expected):
 
 
 def test_dapo_token_level_loss_switch():
-    on = run_update(dapo, run_config(), update_batch(1.0, 1.0))
-    off = run_update(dapo, run_config(algorithm={"name": "dapo", "dapo": {"token_level_loss": False}}),
+    on = run_update(run_config(), update_batch(1.0, 1.0))
+    off = run_update(run_config(algorithm={"name": "dapo", "options": {"token_level_loss": False}}),
                      update_batch(1.0, 1.0))
     assert (on.agg, off.agg) == ("token-mean", "seq-mean-token-mean")
     # what the switch changes: losses [[1, 1, 1, 1], [3, pad, pad, pad]]
@@ -169,7 +171,7 @@ def scored_batch(cfg, texts, uids, lengths=None):
 
 
 def test_dapo_reward_and_advantage_hand_computed():
-    cfg = run_config(algorithm={"name": "dapo", "dapo": {"overlong_shaping": True, "overlong_buffer_len": 2}})
+    cfg = run_config(algorithm={"name": "dapo", "options": {"overlong_shaping": True, "overlong_buffer_len": 2}})
     # lengths with eos: "7" 2, "77" 3, "xxxx" 4 (cut, no eos), "7777" 4; L_max 4, L_cache 2
     b, ctx = scored_batch(cfg, ["7", "77", "xxxx", "7777"], ["p0", "p0", "p1", "p1"])
     close(b["acc"], [1.0, 1.0, 0.0, 1.0])
@@ -237,7 +239,7 @@ def test_dynamic_sampling_drops_equal_groups_and_samples_again():
 
 
 def test_dynamic_sampling_round_cap_leaves_the_batch_short():
-    cfg = run_config(algorithm={"name": "dapo", "dapo": {"max_rounds": 2, "overlong_shaping": False}})
+    cfg = run_config(algorithm={"name": "dapo", "options": {"max_rounds": 2, "overlong_shaping": False}})
     out, ctx, rollout, _ = sample(cfg, [[["7", "x"], ["7", "7"], ["x", "x"], ["x", "x"]],
                                         [["7", "7"], ["x", "x"], ["x", "x"]]])  # round 2: still nothing new
     assert list(out["uid"]) == ["p0", "p0"] and not rollout.scripts  # 1 group of 2, after exactly 2 rounds
@@ -246,7 +248,7 @@ def test_dynamic_sampling_round_cap_leaves_the_batch_short():
 
 
 def test_dynamic_sampling_never_empty():
-    cfg = run_config(algorithm={"name": "dapo", "dapo": {"max_rounds": 1, "overlong_shaping": False}})
+    cfg = run_config(algorithm={"name": "dapo", "options": {"max_rounds": 1, "overlong_shaping": False}})
     out, ctx, _, _ = sample(cfg, [[["7", "7"], ["7", "7"], ["x", "x"], ["x", "x"]]])
     assert list(out["uid"]) == ["p0", "p0"]  # nothing mixed: the first dropped group, zero advantage
     assert ctx.counts["dynamic_sampling/fallback"] == 1 and ctx.metrics["dynamic_sampling/rounds"] == 1
@@ -270,9 +272,9 @@ def test_dags_and_pool_size():
                                            "old_log_prob", "actor_update"]  # no KL term: no reference pass
     assert plan.stages[0].data.batch_size == dapo.pool_size(cfg) == 48  # 32 prompts x 1.5
     odd = run_config(data={"prompts_per_step": 3}, cluster={"world_size": 2},
-                     algorithm={"name": "dapo", "dapo": {"oversample": 1.5}})
+                     algorithm={"name": "dapo", "options": {"oversample": 1.5}})
     assert dapo.pool_size(odd) == 6  # 3 x 1.5 = 4.5 prompts, up to a multiple of dp 2
-    off = with_defaults(parse_run_config("tiny-cpu-dapo", ["algorithm.dapo.dynamic_sampling=false",
+    off = with_defaults(parse_run_config("tiny-cpu-dapo", ["algorithm.options.dynamic_sampling=false",
                                                             "actor.use_kl_loss=true"]))
     plan = build_dag(off, "unused.parquet").plan(2)
     assert "dynamic_sampling" not in [s.id for s in plan.stages] and plan.stages[0].data.batch_size == 32
@@ -285,15 +287,15 @@ def test_dags_and_pool_size():
 @pytest.mark.parametrize("preset, overrides, message", [
     ("tiny-cpu-dapo", ["actor.clip_ratio_high=0.1"],
      r"actor\.clip_ratio_high=0\.1 < actor\.clip_ratio_low=0\.2: DAPO's clip-higher"),
-    ("tiny-cpu-dapo", ["algorithm.dapo.overlong_buffer_len=4"],
-     r"algorithm\.dapo\.overlong_buffer_len=4 must be < rollout\.max_response_len=4"),
+    ("tiny-cpu-dapo", ["algorithm.options.overlong_buffer_len=4"],
+     r"algorithm\.options\.overlong_buffer_len=4 must be < rollout\.max_response_len=4"),
     ("tiny-cpu-dapo", ["actor.loss_agg_mode=seq-mean-token-sum"],
-     r"actor\.loss_agg_mode='seq-mean-token-sum' contradicts algorithm\.dapo\.token_level_loss=true"),
-    ("tiny-cpu-dapo", ["algorithm.dapo.max_round=2"], r"algorithm\.dapo\.max_round: unknown key"),
-    ("tiny-cpu-dapo", ["algorithm.dapo.oversample=0.5"], r"algorithm\.dapo\.oversample: Input should be greater"),
+     r"actor\.loss_agg_mode='seq-mean-token-sum' contradicts algorithm\.options\.token_level_loss=true"),
+    ("tiny-cpu-dapo", ["algorithm.options.max_round=2"], r"algorithm\.options: algorithm 'dapo': option 'max_round': unknown key"),
+    ("tiny-cpu-dapo", ["algorithm.options.oversample=0.5"], r"algorithm\.options: algorithm 'dapo': option 'oversample': Input should be greater"),
     ("tiny-cpu-dapo", ["algorithm.adv_estimator=gae"], r"algorithm\.adv_estimator: dapo does not support 'gae'"),
-    ("tiny-cpu-grpo", ["algorithm.dapo.max_rounds=2"],
-     r"algorithm\.dapo\.max_rounds: DAPO's switches have no meaning for algorithm 'grpo'"),
+    ("tiny-cpu-grpo", ["algorithm.options.max_rounds=2"],
+     r"algorithm\.options: algorithm 'grpo': option 'max_rounds': unknown key \(its options: none\)"),
     ("tiny-cpu-gspo", ["actor.loss_agg_mode=token-mean"],
      r"actor\.loss_agg_mode='token-mean' contradicts GSPO's sequence-level objective"),
 ])
@@ -304,10 +306,10 @@ def test_config_errors_name_the_field(preset, overrides, message):
 
 def test_switches_off_are_valid():
     # clip-higher off ignores clip_ratio_high (the symmetric clip uses the low bound), so high < low is fine
-    cfg = with_defaults(parse_run_config("tiny-cpu-dapo", ["algorithm.dapo.clip_higher=false",
+    cfg = with_defaults(parse_run_config("tiny-cpu-dapo", ["algorithm.options.clip_higher=false",
                                                             "actor.clip_ratio_high=0.1"]))
     assert dapo.dapo_actor(cfg).clip_ratio_high == 0.2
-    cfg = with_defaults(parse_run_config("tiny-cpu-dapo", ["algorithm.dapo.overlong_shaping=false",
-                                                            "algorithm.dapo.overlong_buffer_len=9"]))
-    assert cfg.algorithm.dapo.buffer_len(4) == 9  # unused with shaping off
-    assert run_config().algorithm.dapo.buffer_len(8) == 2  # default: a quarter of the longest response
+    cfg = with_defaults(parse_run_config("tiny-cpu-dapo", ["algorithm.options.overlong_shaping=false",
+                                                            "algorithm.options.overlong_buffer_len=9"]))
+    assert algorithm_options(cfg).buffer_len(4) == 9  # unused with shaping off
+    assert dapo.DAPOOptions().buffer_len(8) == 2  # default: a quarter of the longest response

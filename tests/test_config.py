@@ -23,7 +23,7 @@ def test_every_name_of_the_old_module_is_still_importable():
     old = ["ConfigError", "Strict", "Mode", "MODES", "Balance", "Switches", "SWITCHES_BY_MODE", "check_switches",
            "ClusterOptions", "ScheduleOptions", "ProfileOptions", "check_schedule", "SessionConfig", "DataSpec",
            "Contract", "TinySpec", "WarmStart", "ModelOptions", "DataOptions", "VLLMOptions", "RolloutOptions",
-           "Optim", "LossAgg", "KLKind", "ActorOptions", "CriticOptions", "DAPOOptions", "AlgorithmOptions",
+           "Optim", "LossAgg", "KLKind", "ActorOptions", "CriticOptions", "AlgorithmOptions",
            "RewardOptions", "TrainerOptions", "RunConfig", "set_dotted", "parse_overrides", "apply_overrides",
            "load_model", "read_yaml", "PRESETS", "preset_names", "parse_run_config", "cache_root", "resolve_paths"]
     assert [n for n in old if not hasattr(config, n)] == []

@@ -11,6 +11,7 @@ from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
 from distflow_lab.datasets.schema import REQUIRED_COLUMNS, DatasetError, read_rows, validate_table, write_parquet
 from distflow_lab.datasets.rewards import exact_match_reward
 from distflow_lab.datasets.arithmetic import evaluate, make_arithmetic_rows, write_arithmetic_parquet
+from distflow_lab.core.errors import ConfigError
 
 GSM8K = default_gsm8k_dir()
 # CI must read the real data: only a developer's machine without it may skip
@@ -148,6 +149,13 @@ def test_long_tail_task_rows_lengths_and_reward(tmp_path):
     assert score("0123456789<eos>junk", answer(10)) == 1.0 and score("01234", answer(10)) == 0.5
     assert score("0124", answer(4)) == 0.0 and score("", answer(3)) == 0.0
     assert score(answer(30), answer(10)) == 0.0  # three times too long: clipped at 0
-    cfg = load_run_config("tiny-cpu-longtail", [f"data.cache_dir={tmp_path}", "data.long_tail.rows=64"])
+    cfg = load_run_config("tiny-cpu-longtail", [f"data.cache_dir={tmp_path}", "data.options.long_tail.rows=64"])
     table = read_rows(prepare_data(cfg))
     assert len(table) == 64 and max(len(r["reward_model"]["ground_truth"]) for r in table) <= cfg.rollout.max_response_len - 1
+    # the keys of the data section before the registry still read (saved configs), in the dataset they belong to
+    old = load_run_config("tiny-cpu-longtail", [f"data.cache_dir={tmp_path}", "data.long_tail.rows=64"])
+    assert old.data.options == cfg.data.options and prepare_data(old) == prepare_data(cfg)
+    with pytest.raises(ConfigError, match=r"data.options.long_tail: dataset 'long_tail': option 'max_len': unknown"):
+        load_run_config("tiny-cpu-longtail", ["data.options.long_tail.max_len=9"])
+    with pytest.raises(ConfigError, match=r"data.options.longtail: 'longtail' is not a registered dataset"):
+        load_run_config("tiny-cpu-longtail", ["data.options.longtail.rows=9"])

@@ -225,7 +225,7 @@ def test_grads_independent_of_micro_batching_and_order(model, mode):
 def test_old_log_prob_from_update_gives_the_recomputed_gradient(model):
     """actor.old_log_prob=from_update (no old_log_prob pass) is the same update as a recomputed
     old policy when one mini-batch trains on the weights that scored it."""
-    from distflow_lab.algos.actor_update import actor_loss, ppo_policy
+    from distflow_lab.algos.actor_update import actor_loss
     from distflow_lab.core.config import ActorOptions
     batch = synthetic_batch(16, seed=5)
     eng = TrainEngine(copy.deepcopy(model), OptimConfig(lr=1e-3), micro_token_budget=40, device="cpu")
@@ -235,7 +235,7 @@ def test_old_log_prob_from_update_gives_the_recomputed_gradient(model):
         cols = {**batch, "old_log_probs": old} if how == "recompute" else {k: v for k, v in batch.items()
                                                                              if k != "old_log_probs"}
         eng.optimizer.zero_grad(set_to_none=True)
-        eng.compute_grads(cols, actor_loss(ActorOptions(use_kl_loss=False, old_log_prob=how), ppo_policy))
+        eng.compute_grads(cols, actor_loss(ActorOptions(use_kl_loss=False, old_log_prob=how)))
         grads[how] = eng.gathered_grads()
     assert max_diff(grads["recompute"], grads["from_update"]) < 1e-6
     assert max(g.abs().max().item() for g in grads["from_update"].values()) > 1e-4  # a real gradient

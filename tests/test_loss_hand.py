@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from distflow_lab.algos.actor_update import actor_loss, gspo_policy, ppo_policy
+from distflow_lab.algos.actor_update import actor_loss
 from distflow_lab.algos.losses import aggregate_loss, off_policy_weights, value_loss_token
 from distflow_lab.core.config import ActorOptions
 
@@ -108,7 +108,7 @@ def test_actor_loss_ppo_decoupled_kl_entropy():
     d = T([[0.1, 0.2, 0.3], [0.4, 0.5, 7.0]])
     mb = {"response_mask": MASK, "old_log_probs": OLD, "advantages": T([[1.0, 1.0, -1.0], [-1.0, -1.0, 5.0]]),
           "rollout_log_probs": BEHAVIOUR, "ref_log_probs": lp.detach() - d}
-    loss, mask, met = actor_loss(a, ppo_policy)(mb, lp, T([[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]]))
+    loss, mask, met = actor_loss(a)(mb, lp, T([[0.5, 0.5, 0.5], [1.0, 1.0, 1.0]]))
     assert mask is MASK
     close(loss[MASK.bool()], [-0.64, -0.53, -0.02, -0.06, 4.45])
     total = aggregate_loss(loss, mask, "token-mean")
@@ -132,11 +132,11 @@ def test_actor_loss_gspo_tis():
     # loss = [[-1, -2, -.5], [1.5, 1.5]] ; token-mean (-3.5 + 3)/5 = -.1
     # seq-mean-token-mean: (-3.5/3 + 3/2)/2 = (-1.166667 + 1.5)/2 = .166667
     a = ActorOptions(clip_ratio_low=0.2, clip_ratio_high=0.2, use_kl_loss=False, entropy_coeff=0.0,
-                     off_policy="tis", is_cap=2.0)
+                     off_policy="tis", is_cap=2.0, policy_loss="gspo")
     lp = T([[ln(2.0), 0.0, -ln(2.0)], [ln(1.5), ln(1.5), 0.0]]).requires_grad_()
     mb = {"response_mask": MASK, "old_log_probs": OLD, "advantages": T([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]),
           "rollout_log_probs": -T([[0.0, ln(3.0), ln(0.5)], [0.0, 0.0, 0.0]])}
-    loss, mask, met = actor_loss(a, gspo_policy)(mb, lp, None)
+    loss, mask, met = actor_loss(a)(mb, lp, None)
     close(loss[MASK.bool()], [-1.0, -2.0, -0.5, 1.5, 1.5])
     close(aggregate_loss(loss, mask, "seq-mean-token-mean"), 1 / 6)
     # GSPO-token gradient: dL[i,t]/dlp_t = -A_i s_i w_t -> [[-1, -2, -.5], [1.5, 1.5]], token-mean /5

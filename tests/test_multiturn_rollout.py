@@ -198,8 +198,8 @@ GROUPS = "groups={rollout: 1, train: 1}"
 ALGOS = {"grpo": [],
          "ppo": ["algorithm.name=ppo", "algorithm.adv_estimator=gae", "actor.use_kl_loss=false"],
          "gspo": ["algorithm.name=gspo", "actor.loss_agg_mode=seq-mean-token-mean", "actor.use_kl_loss=false"],
-         "dapo": ["algorithm.name=dapo", "actor.use_kl_loss=false", "algorithm.dapo.max_rounds=2",
-                  "algorithm.dapo.oversample=1.0"]}
+         "dapo": ["algorithm.name=dapo", "actor.use_kl_loss=false", "algorithm.options.max_rounds=2",
+                  "algorithm.options.oversample=1.0"]}
 # (algorithm, plane, schedule overrides): every schedule kind of worker groups, both planes that run them, partial
 # rollouts on both engines (colocated sync: test_grpo_learns_to_call_the_calculator, GRPO on each engine)
 MT_CELLS = [("grpo", "coordinator", [GROUPS, "schedule.kind=async", "schedule.max_staleness=1",  # vLLM: a sync

@@ -62,8 +62,8 @@ def test_question_arithmetic_rows_and_their_reward():
     assert last_number_reward("17 + 25 = 42.", "42") == 1.0
     assert last_number_reward("It is 42, not 41", "42") == 0.0  # the last number counts
     assert last_number_reward("$1,042.00", "1042") == 1.0 and last_number_reward("no idea", "4") == 0.0
-    with pytest.raises(Exception, match="arithmetic_min_operand=50 is above"):
-        load_run_config("smollm2-arith", ["data.arithmetic_min_operand=50", "data.arithmetic_max_operand=20"])
+    with pytest.raises(Exception, match="dataset 'arithmetic': .*min_operand=50 is above max_operand=20"):
+        load_run_config("smollm2-arith", ["data.options.arithmetic.min_operand=50", "data.options.arithmetic.max_operand=20"])
 
 
 @pytest.mark.full

@@ -33,7 +33,7 @@ from verl.trainer.config import AlgoConfig
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 from verl.workers.config import ActorConfig
 
-from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards
+from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards, run_estimator
 from distflow_lab.algos.losses import (LOSS_AGG_MODES, aggregate_loss, apply_kl_in_reward, gspo_token_loss,
                                        kl_penalty, off_policy_weights, ppo_token_loss, value_loss_clipped,
                                        value_loss_token)
@@ -123,7 +123,7 @@ def our_estimator(name: str, c: dict, rows=None, group=None, column: bool = True
     cols = {"response_mask": c["mask"][rows], "values": c["values"][rows], "scores": c["scores"][rows]}
     if column:  # the KL-shaped reward as a column; without it the outcome estimators read `scores`
         cols["token_rewards"] = c["token_rewards"][rows]
-    return ESTIMATORS[name](Batch(cols, {"uid": c["uid"][rows]}), AlgorithmOptions(gamma=0.9, lam=0.8), group)
+    return run_estimator(name, Batch(cols, {"uid": c["uid"][rows]}), AlgorithmOptions(gamma=0.9, lam=0.8), group)
 
 
 def test_every_estimator_is_compared():

@@ -1,8 +1,8 @@
-"""The one actor update, shared by every algorithm. An algorithm hands it only its
-policy-gradient loss (and, for DAPO, its actor options); everything else is here,
-written once:
+"""The one actor update, shared by every algorithm. An algorithm's declaration names
+only its policy-gradient loss (policy_losses.py) (and, for DAPO, how its
+switches set the actor options); everything else is here, written once:
 
-    for each mini-batch:  loss = policy_loss(pi_old, pi, A)          (PPO clip, GSPO, ...)
+    for each mini-batch:  loss = policy_loss(pi_old, pi, A)          (actor.policy_loss: ppo_clip, gspo, ...)
                                  x off-policy weight w_t              (actor.off_policy: decoupled | tis)
                                  + kl_loss_coef * KL(pi || pi_ref)    (actor.use_kl_loss)
                                  - entropy_coeff * H(pi)              (actor.entropy_coeff > 0)
@@ -15,33 +15,16 @@ send, or ignore an off-policy correction.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from distflow_lab.algos.losses import (gspo_token_loss, kl_penalty, loss_mask_key, masked_mean, off_policy_weights,
-                                      ppo_token_loss)
+from distflow_lab.algos.losses import kl_penalty, loss_mask_key, masked_mean, off_policy_weights
+from distflow_lab.algos.policy_losses import policy_loss
+from distflow_lab.algos.registry import effective_actor
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ActorOptions
 from distflow_lab.runtime.context import StageContext
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "responses")
-
-# policy_loss(old_log_probs, log_probs, advantages, response_mask, actor options) -> ([B, T] loss, metrics)
-PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, ActorOptions],
-                      tuple[torch.Tensor, dict[str, float]]]
-
-
-def ppo_policy(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-               a: ActorOptions) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO's token-level clipped surrogate with dual clip (GRPO, PPO, DAPO)."""
-    return ppo_token_loss(old, new, adv, mask, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c)
-
-
-def gspo_policy(old: torch.Tensor, new: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                a: ActorOptions) -> tuple[torch.Tensor, dict[str, float]]:
-    """GSPO's sequence-level clipped surrogate."""
-    return gspo_token_loss(old, new, adv, mask, a.clip_ratio_low, a.clip_ratio_high)
 
 
 def needed_columns(a: ActorOptions, has_rollout_log_probs: bool = False) -> list[str]:
@@ -56,16 +39,17 @@ def needed_columns(a: ActorOptions, has_rollout_log_probs: bool = False) -> list
     return cols
 
 
-def actor_loss(a: ActorOptions, policy_loss: PolicyLoss):
+def actor_loss(a: ActorOptions):
     """The per-token loss the training engine aggregates: `loss_fn(mb, log_probs, entropy)
     -> (loss [B, T], mask, metrics)`, composed as in the module docstring."""
+    pg = policy_loss(a)
 
     def loss_fn(mb: dict, log_probs: torch.Tensor, entropy: torch.Tensor | None):
         mask = mb[loss_mask_key(mb)]
         # from_update: these weights are the ones the batch is scored under (one mini-batch, checked
         # in registry.check_old_log_prob), so the old policy is this forward without its gradient
         old = log_probs.detach() if a.old_log_prob == "from_update" else mb["old_log_probs"]
-        loss, metrics = policy_loss(old, log_probs, mb["advantages"], mask, a)
+        loss, metrics = pg(old, log_probs, mb["advantages"], mask)
         if a.old_log_prob == "from_update" and "rollout_log_probs" in mb:  # no old_log_prob stage to log it
             metrics.update(mismatch(mb["rollout_log_probs"], old, mask))
         if a.off_policy != "none":  # samples from an older policy: weigh by pi_prox / pi_behaviour
@@ -83,13 +67,14 @@ def actor_loss(a: ActorOptions, policy_loss: PolicyLoss):
     return loss_fn
 
 
-def update_actor(batch: Batch, ctx: StageContext, policy_loss: PolicyLoss, actor: ActorOptions | None = None) -> Batch:
-    """The actor-update stage body: `actor.mini_batches` optimizer steps over the batch, then a
-    new policy version. `actor` overrides the run's actor options (DAPO's switches)."""
-    a, e = actor or ctx.config.actor, ctx.engines
+def update_actor(batch: Batch, ctx: StageContext) -> Batch:
+    """The actor-update stage of every algorithm: `actor.mini_batches` optimizer steps over the batch
+    with the configured policy loss, then a new policy version. The actor options are the ones the
+    algorithm's declaration derives from the config (DAPO's switches), else the run's."""
+    a, e = effective_actor(ctx.config), ctx.engines
     key = loss_mask_key(batch)  # multi-turn: the environment's tokens carry no loss
     cols = {k: batch[k] for k in {*needed_columns(a, "rollout_log_probs" in batch), key}}
-    per_step = [e.actor.train_step(mini, actor_loss(a, policy_loss), a.loss_agg_mode,
+    per_step = [e.actor.train_step(mini, actor_loss(a), a.loss_agg_mode,
                                    with_entropy=a.entropy_coeff > 0, mask_key=key)
                 for mini in mini_batches(cols, a.mini_batches)]
     lag = policy_lag(batch, key, e.policy.version)  # before the update: the version being trained

@@ -3,7 +3,7 @@
     data (over-sampled) -> rollout -> reward (+ overlong penalty) -> dynamic_sampling
          -> advantage -> old_log_prob -> ref_log_prob -> actor_update (clip-higher, token-level loss)
 
-GRPO with four changes, each a switch in `algorithm.dapo` (core.config.DAPOOptions):
+GRPO with four changes, each a switch in `algorithm.options` (DAPOOptions below):
 
   clip_higher       clip the ratio to [1 - eps_low, 1 + eps_high] with eps_high > eps_low (Eq. 10):
                     unlikely tokens may grow, so the policy's entropy does not collapse
@@ -12,7 +12,7 @@ GRPO with four changes, each a switch in `algorithm.dapo` (core.config.DAPOOptio
   token_level_loss  token-mean aggregation (Eq. 12): every token weighs the same, whatever its length
   overlong_shaping  a soft penalty over the last L_cache tokens before the length limit (Eq. 13)
 
-Rollout, advantage and the log-prob stages are GRPO's. DAPO drops the KL term
+Rollout, advantage, the log-prob stages and the actor update are GRPO's. DAPO drops the KL term
 (actor.use_kl_loss=false in its preset), and then the reference pass too.
 """
 from __future__ import annotations
@@ -22,27 +22,56 @@ import math
 import numpy as np
 import torch
 
-from distflow_lab.algos.actor_update import ppo_policy, update_actor
+from pydantic import Field
+
 from distflow_lab.algos.grpo import CONTRACTS, fit_kl
 from distflow_lab.algos.multiturn import env_scores, multi_turn_again
+from distflow_lab.algos.registry import algorithm_options, loss_agg_is, register_algorithm
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import ActorOptions, DataSpec, RunConfig
+from distflow_lab.core.config import ActorOptions, ConfigError, DataSpec, RunConfig
+from distflow_lab.core.registry import Options
 from distflow_lab.datasets.loader import load_batch
 from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.shapes import grpo_shape
 from distflow_lab.models.sequences import decode_responses
 from distflow_lab.runtime.context import StageContext
 
-GRPO_STAGES = ("rollout", "advantage", "old_log_prob", "ref_log_prob")
+GRPO_STAGES = ("rollout", "advantage", "old_log_prob", "ref_log_prob", "actor_update")
+
+
+class DAPOOptions(Options):
+    """DAPO's four parts, each a switch (algorithm.options; an unknown key is an error naming it)."""
+
+    clip_higher: bool = True
+    """Decoupled clip: ratio in [1 - actor.clip_ratio_low, 1 + actor.clip_ratio_high] (needs high >= low); off: [1 - low, 1 + low]."""
+    dynamic_sampling: bool = True
+    """Drop prompt groups whose accuracies are all equal (zero advantage) and sample again until the batch is full."""
+    oversample: float = Field(default=1.5, ge=1)
+    """Dynamic sampling: prompts generated in the first round = data.prompts_per_step x this (rounded up to the rollout's dp)."""
+    max_rounds: int = Field(default=3, ge=1)
+    """Dynamic sampling: generation rounds at most, the first included; a rank still short then trains on fewer groups."""
+    token_level_loss: bool = True
+    """Token-level loss (token-mean: every token weighs the same); off: seq-mean-token-mean (GRPO's per-sample mean)."""
+    overlong_shaping: bool = True
+    """Soft overlong penalty: 0 down to -overlong_penalty_factor over the last overlong_buffer_len tokens before rollout.max_response_len."""
+    overlong_buffer_len: int | None = Field(default=None, ge=1)
+    """Overlong shaping: the length window L_cache (None: a quarter of rollout.max_response_len, at least 1); must be < rollout.max_response_len."""
+    overlong_penalty_factor: float = Field(default=1.0, ge=0)
+    """Overlong shaping: the penalty at (and past) rollout.max_response_len."""
+
+    def buffer_len(self, max_response_len: int) -> int:
+        """The overlong window L_cache in tokens."""
+        return self.overlong_buffer_len if self.overlong_buffer_len is not None else max(1, max_response_len // 4)
 
 
 def dapo_dag(cfg: RunConfig, data_path: str) -> DAG:
     data = DataSpec(source=data_path, batch_size=pool_size(cfg), shuffle=cfg.data.shuffle)
     fns = {"data": load_batch, **{n: f"distflow_lab.algos.grpo:{n}" for n in GRPO_STAGES},
-           **{n: f"{__name__}:{n}" for n in ("reward", "actor_update")}}
+           "reward": f"{__name__}:reward"}
     contracts = {**CONTRACTS, "reward": {"contract": {"outputs": ["acc", "scores"], "rows": "same"}}}
-    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name="dapo", groups=cfg.groups)
-    if cfg.algorithm.dapo.dynamic_sampling:  # one more stage, in the rollout's layout; its row count varies
+    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name=cfg.algorithm.name,
+                     groups=cfg.groups)
+    if algorithm_options(cfg).dynamic_sampling:  # one more stage, in the rollout's layout; its row count varies
         dag.node("dynamic_sampling", f"{__name__}:dynamic_sampling", role="rollout", type="generate",
                  deps=["reward"], layout=dag["rollout"].layout,
                  contract={"outputs": ["acc", "scores", "uid"], "rows": "any"})
@@ -53,7 +82,7 @@ def dapo_dag(cfg: RunConfig, data_path: str) -> DAG:
 def pool_size(cfg: RunConfig) -> int:
     """Prompts loaded and generated per step: prompts_per_step x oversample with dynamic sampling,
     rounded up to a multiple of the rollout's data-parallel size."""
-    d, dp = cfg.algorithm.dapo, cfg.cluster.world_size // cfg.rollout.tp
+    d, dp = algorithm_options(cfg), cfg.cluster.world_size // cfg.rollout.tp
     if not d.dynamic_sampling:
         return cfg.data.prompts_per_step
     return dp * math.ceil(round(cfg.data.prompts_per_step * d.oversample / dp, 6))
@@ -82,7 +111,7 @@ def score(batch: Batch, ctx: StageContext) -> Batch:
         texts = decode_responses(e.tokenizer, batch["responses"], batch["response_mask"])
         acc = torch.tensor([e.reward_fn(src, text, truth) for src, text, truth in
                             zip(batch["data_source"], texts, batch["ground_truth"])], dtype=torch.float32)
-    d, R = cfg.algorithm.dapo, cfg.rollout.max_response_len
+    d, R = algorithm_options(cfg), cfg.rollout.max_response_len
     penalty = torch.zeros_like(acc)
     if d.overlong_shaping:
         penalty = overlong_penalty(batch["response_mask"].sum(-1), R, d.buffer_len(R), d.overlong_penalty_factor)
@@ -122,7 +151,7 @@ def dynamic_sampling(batch: Batch, ctx: StageContext) -> Batch:
         todo = todo.select(np.flatnonzero(~mixed))
         dropped += num_groups(todo)
         have = sum(num_groups(k) for k in kept)
-        if have >= target or not len(todo) or rounds >= cfg.algorithm.dapo.max_rounds:
+        if have >= target or not len(todo) or rounds >= algorithm_options(cfg).max_rounds:
             break
         todo = regenerate(todo, ctx, seed=ctx.seed + rounds)
         generated += num_groups(todo)
@@ -183,14 +212,31 @@ def regenerate(batch: Batch, ctx: StageContext, seed: int) -> Batch:
     return score(Batch(cols, objects), ctx)
 
 
-# ---- 3. actor update: the shared one, with DAPO's clip range and loss aggregation ----------
+# ---- 3. actor update: GRPO's stage, with the actor options DAPO's switches imply ------------
 def dapo_actor(cfg: RunConfig) -> ActorOptions:
     """The actor options the switches imply: clip-higher off = the symmetric clip
     [1 - low, 1 + low]; token-level loss = token-mean, off = seq-mean-token-mean."""
-    a, d = cfg.actor, cfg.algorithm.dapo
+    a, d = cfg.actor, algorithm_options(cfg)
     return a.model_copy(update={"clip_ratio_high": a.clip_ratio_high if d.clip_higher else a.clip_ratio_low,
                                 "loss_agg_mode": "token-mean" if d.token_level_loss else "seq-mean-token-mean"})
 
 
-def actor_update(batch: Batch, ctx: StageContext) -> Batch:
-    return update_actor(batch, ctx, ppo_policy, actor=dapo_actor(ctx.config))
+def check(cfg: RunConfig) -> None:
+    """DAPO's switches against the actor and rollout options; errors name the fields."""
+    d, a = algorithm_options(cfg), cfg.actor
+    if d.clip_higher and a.clip_ratio_high < a.clip_ratio_low:
+        raise ConfigError(f"actor.clip_ratio_high={a.clip_ratio_high} < actor.clip_ratio_low={a.clip_ratio_low}: "
+                          "DAPO's clip-higher (algorithm.options.clip_higher) needs clip_ratio_high >= clip_ratio_low")
+    loss_agg_is(cfg, "token-mean" if d.token_level_loss else "seq-mean-token-mean",
+                f"algorithm.options.token_level_loss={str(d.token_level_loss).lower()}")
+    r = cfg.rollout.max_response_len
+    if d.overlong_shaping and d.buffer_len(r) >= r:
+        raise ConfigError(f"algorithm.options.overlong_buffer_len={d.buffer_len(r)} must be < "
+                          f"rollout.max_response_len={r} (the penalty window ends at the longest response)")
+
+
+# ---- the declaration: its own DAG (dynamic sampling), options, and the paper's clip-higher ----
+# the paper's eps_high 0.28, and verl's recipe's dual clip c = 10 (the paper has none)
+register_algorithm("dapo", dag=dapo_dag, estimator="grpo", estimator_kinds=("outcome",), policy_loss="ppo_clip",
+                   options=DAPOOptions, actor={"clip_ratio_high": 0.28, "clip_ratio_c": 10.0}, check=check,
+                   actor_options=dapo_actor)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from distflow_lab.algos.registry import algorithm
 from distflow_lab.core.config import RewardOptions, RunConfig
 from distflow_lab.datasets.rewards import reward_for
 from distflow_lab.graph.nodes import resolve_function
@@ -123,7 +124,7 @@ def setup_engines(ctx: StageContext, cfg: RunConfig) -> RLEngines:
         e.ref = TrainEngine(fresh(), None, process_group=pg, micro_token_budget=budget, temperature=temp,
                             mixed_precision=compute)
         e.policy.writer = e.actor.rank == 0
-        if cfg.algorithm.name == "ppo":
+        if algorithm(cfg.algorithm.name).critic:  # its declaration: a critic trains beside the actor
             e.critic = TrainEngine(build_critic_from(cfg.model.path, dtype=dtype), cfg.critic,
                                    process_group=ctx.groups.get("critic_update"), mixed_precision=compute,
                                    micro_token_budget=cfg.critic.micro_token_budget, critic=True,

@@ -15,13 +15,16 @@ RLOO) need every response of a prompt on one rank, which the data plane keeps to
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from distflow_lab.algos.losses import loss_mask_key
+from distflow_lab.core.errors import ConfigError
+from distflow_lab.core.registry import Registry, caller_module
 
 if TYPE_CHECKING:
     from distflow_lab.core.batch import Batch
@@ -245,10 +248,55 @@ def gae_advantage(
     return adv * m, returns
 
 
-# ---------------------------------------------------------------- the one registry
+# ---------------------------------------------------------------- the registry
 
-# fn(batch, algorithm options, data-parallel group of the advantage stage or None)
-Estimator = Callable[["Batch", "AlgorithmOptions", "dist.ProcessGroup | None"], tuple[torch.Tensor, torch.Tensor]]
+ESTIMATORS: Registry["Estimator"] = Registry("estimator", "algorithm.adv_estimator")
+KINDS = ("outcome", "token", "critic")  # what an estimator reads: see EstimatorInputs
+
+
+@dataclass(frozen=True)
+class EstimatorInputs:
+    """What an estimator sees: the batch, its own typed options (algorithm.estimator_options),
+    the algorithm's (gamma, lam, ...) and the advantage stage's data-parallel group (whitening
+    all-reduces over it; group-relative estimators ignore it: a prompt's responses share a rank)."""
+
+    batch: "Batch"
+    options: Any
+    algorithm: "AlgorithmOptions"
+    group: "dist.ProcessGroup | None" = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, T] the loss tokens (multi-turn: the model's, not the environment's)."""
+        return self.batch[loss_mask_key(self.batch)]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """[B] each response's outcome (sum of the token rewards when a stage shaped them)."""
+        return outcome_scores(self.batch)
+
+    @property
+    def token_rewards(self) -> torch.Tensor:
+        """[B, T] per-token rewards (the outcome on the last token, unless a stage shaped them)."""
+        return token_rewards(self.batch)
+
+    @property
+    def index(self):
+        """[B] the prompt group of each response (its uid)."""
+        return self.batch["uid"]
+
+
+Estimator = Callable[[EstimatorInputs], tuple[torch.Tensor, torch.Tensor]]
+
+
+def register_estimator(name: str, *, kind: str = "outcome", options: type | None = None) -> Callable:
+    """Decorator: `fn(x: EstimatorInputs) -> (advantages [B, T], returns [B, T])` becomes the estimator
+    `name` (algorithm.adv_estimator: name; its options from algorithm.estimator_options). `kind` says what
+    it reads, and so which algorithms can run it (their `estimator_kinds`): "outcome" (one score per
+    response, group-relative), "token" (per-token rewards, batch-wide) or "critic" (the critic's values)."""
+    if kind not in KINDS:
+        raise ConfigError(f"estimator {name!r}: kind {kind!r} is not one of {list(KINDS)}")
+    return ESTIMATORS.register(name, options=options, kind=kind, origin=caller_module())
 
 
 def token_rewards(batch: "Batch") -> torch.Tensor:
@@ -268,15 +316,34 @@ def outcome_scores(batch: "Batch") -> torch.Tensor:
     return batch["scores"]
 
 
-# Adding an estimator = one function returning (advantages, returns) + one line here;
-# an algorithm lists the estimators it supports in `algos.registry`. Group-relative ones
-# ignore the dp group (a prompt's responses share a rank); whitening ones all-reduce over it.
-ESTIMATORS: dict[str, Estimator] = {
-    "grpo": lambda b, alg, group: grpo_outcome_advantage(outcome_scores(b), b[loss_mask_key(b)], b["uid"]),
-    "dr_grpo": lambda b, alg, group: dr_grpo_outcome_advantage(outcome_scores(b), b[loss_mask_key(b)], b["uid"]),
-    "rloo": lambda b, alg, group: rloo_advantage(outcome_scores(b), b[loss_mask_key(b)], b["uid"]),
-    "reinforce_plus_plus": lambda b, alg, group: reinforce_plus_plus_advantage(token_rewards(b), b[loss_mask_key(b)],
-                                                                               alg.gamma, group),
-    "gae": lambda b, alg, group: gae_advantage(token_rewards(b), b["values"], b[loss_mask_key(b)], alg.gamma,
-                                               alg.lam, group=group),
-}
+@register_estimator("grpo")
+def _grpo(x: EstimatorInputs):
+    return grpo_outcome_advantage(x.scores, x.mask, x.index)
+
+
+@register_estimator("dr_grpo")
+def _dr_grpo(x: EstimatorInputs):
+    return dr_grpo_outcome_advantage(x.scores, x.mask, x.index)
+
+
+@register_estimator("rloo")
+def _rloo(x: EstimatorInputs):
+    return rloo_advantage(x.scores, x.mask, x.index)
+
+
+@register_estimator("reinforce_plus_plus", kind="token")
+def _reinforce_plus_plus(x: EstimatorInputs):
+    return reinforce_plus_plus_advantage(x.token_rewards, x.mask, x.algorithm.gamma, x.group)
+
+
+@register_estimator("gae", kind="critic")
+def _gae(x: EstimatorInputs):
+    return gae_advantage(x.token_rewards, x.batch["values"], x.mask, x.algorithm.gamma, x.algorithm.lam, group=x.group)
+
+
+def run_estimator(name: str, batch: "Batch", algorithm: "AlgorithmOptions",
+                  group: "dist.ProcessGroup | None" = None, options: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered estimator `name` on `batch` (options: its typed options, or the config's dict)."""
+    raw = algorithm.estimator_options if options is None else options
+    opts = ESTIMATORS.options(name, raw, "algorithm.estimator_options")
+    return ESTIMATORS.get(name).obj(EstimatorInputs(batch, opts, algorithm, group))

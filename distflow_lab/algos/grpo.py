@@ -8,21 +8,22 @@ redistribution, is where data enters the training stages):
 Every stage is a plain function `(batch, ctx) -> batch`: it reads columns,
 adds columns, and reaches its engines through `ctx.engines` (engine_setup.RLEngines:
 `.actor`, `.ref`, `.rollout`, ...) and the run config through `ctx.config`. Swap any
-of them from a notebook: `dag.replace("advantage", fn=my_estimator)`. Adding an
-estimator is one function in estimators.py and one entry in its ESTIMATORS.
-The actor update is the one every algorithm shares (actor_update.py); GRPO hands
-it PPO's clipped token loss.
+of them from a notebook: `dag.replace("advantage", fn=my_estimator)`, or register a new
+estimator or policy loss (`@lab.register_estimator`, `@lab.register_policy_loss`) and
+name it in the config. The actor update is the one every algorithm shares
+(actor_update.py); GRPO's declaration (the end of this file) names PPO's clipped token loss.
 """
 from __future__ import annotations
 
 import torch
 
-from distflow_lab.algos.actor_update import MODEL_INPUTS, mismatch, ppo_policy, update_actor
+from distflow_lab.algos.actor_update import MODEL_INPUTS, mismatch, update_actor
 from distflow_lab.algos.engine_setup import sync_weights
-from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards
+from distflow_lab.algos.estimators import outcome_to_token_rewards, run_estimator
 from distflow_lab.algos.losses import apply_kl_in_reward, loss_mask_key, masked_mean
 from distflow_lab.algos.multiturn import env_scores, multi_turn_rollout
 from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
+from distflow_lab.algos.registry import algorithm, register_algorithm
 from distflow_lab.algos.streaming import partial_rollouts, stream_rollout
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import DataSpec, RunConfig
@@ -38,7 +39,8 @@ STAGES = ("rollout", "reward", "advantage", "old_log_prob", "ref_log_prob", "act
 def grpo_dag(cfg: RunConfig, data_path: str) -> DAG:
     data = DataSpec(source=data_path, batch_size=cfg.data.prompts_per_step, shuffle=cfg.data.shuffle)
     fns = {"data": load_batch, **{name: f"{__name__}:{name}" for name in STAGES}}
-    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=CONTRACTS, name="grpo", groups=cfg.groups)
+    dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=CONTRACTS, name=cfg.algorithm.name,
+                     groups=cfg.groups)
     return fit_kl(dag, cfg)
 
 
@@ -107,15 +109,11 @@ def reward(batch: Batch, ctx: StageContext) -> Batch:
     return batch.with_columns(scores=scores)
 
 
-# ---- 3. advantage: group-relative by default (any estimator of the registry) -----------
+# ---- 3. advantage: the configured estimator (group-relative by default) ----------------
 def advantage(batch: Batch, ctx: StageContext) -> Batch:
-    return estimate(batch, ctx, default="grpo")
-
-
-def estimate(batch: Batch, ctx: StageContext, default: str) -> Batch:
-    """The configured estimator (or `default`) over the data-parallel group (batch-wide
-    whitening), on the token rewards: the outcome score on the last token, minus
-    kl_coef x KL(old || ref) per token with algorithm.use_kl_in_reward (every estimator)."""
+    """The configured estimator (algorithm.adv_estimator, else the algorithm's default) over the
+    data-parallel group (batch-wide whitening), on the token rewards: the outcome score on the last
+    token, minus kl_coef x KL(old || ref) per token with algorithm.use_kl_in_reward (every estimator)."""
     alg = ctx.config.algorithm
     if alg.use_kl_in_reward:
         mask = batch[loss_mask_key(batch)]
@@ -123,7 +121,8 @@ def estimate(batch: Batch, ctx: StageContext, default: str) -> Batch:
                                          batch["ref_log_probs"], mask, alg.kl_coef, alg.kl_penalty)
         ctx.log(**{"reward/kl_penalty": kl})
         batch = batch.with_columns(token_rewards=rewards)
-    adv, ret = ESTIMATORS[alg.adv_estimator or default](batch, alg, ctx.process_group)
+    name = alg.adv_estimator or algorithm(alg.name).estimator
+    adv, ret = run_estimator(name, batch, alg, ctx.process_group)
     return batch.with_columns(advantages=adv.float(), returns=ret.float())
 
 
@@ -142,7 +141,12 @@ def ref_log_prob(batch: Batch, ctx: StageContext) -> Batch:
     return batch.with_columns(ref_log_probs=log_probs)
 
 
-# ---- 6. actor update: clipped surrogate + KL to the reference - entropy bonus ----------
+# ---- 6. actor update: the policy loss + KL to the reference - entropy bonus -------------
 def actor_update(batch: Batch, ctx: StageContext) -> Batch:
-    return update_actor(batch, ctx, ppo_policy)
+    return update_actor(batch, ctx)
+
+
+# ---- the declaration: GRPO's DAG, the group-relative estimator, PPO's clipped loss ------
+register_algorithm("grpo", dag=grpo_dag, estimator="grpo", estimator_kinds=("outcome", "token"),
+                   policy_loss="ppo_clip")
 

@@ -1,82 +1,140 @@
-"""The one registry of algorithms: which DAG each builds and which advantage
-estimators it supports. Config validation comes from here, so a run config
-cannot name an algorithm or estimator that would silently run something else.
+"""Algorithms as declarations: `lab.register_algorithm(name, ...)` says which DAG an
+algorithm builds, its default estimator and the estimator kinds it runs, its policy loss,
+whether it trains a critic, its own options model and its paper's actor defaults. The DAG
+builders, the engine set-up, the shared actor update and the config checks read the
+declaration; nothing else compares an algorithm's name.
 
-Adding an algorithm = one file of stage functions with a `*_dag(cfg, data_path)`
-builder, and one line in ALGORITHMS.
+    lab.register_algorithm("cispo", policy_loss="cispo")   # GRPO's DAG with another loss
+
+The built-in algorithms declare themselves in their own files (grpo.py, ppo.py, dapo.py,
+gspo.py); `algorithm()` imports those on first use. Checking a config imports the
+estimators and losses (torch), not Ray.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from distflow_lab.core.config import ConfigError, RunConfig, parse_run_config
+from distflow_lab.core.config import ActorOptions, ConfigError, RunConfig, parse_run_config
+from distflow_lab.core.registry import Entry, NoOptions, Registry, caller_module
+from distflow_lab.datasets.registry import check_data
 from distflow_lab.graph.nodes import resolve_function
 from distflow_lab.models.environment import parse_options
 
 if TYPE_CHECKING:
     from distflow_lab.graph.dag import DAG
 
+GRPO_DAG = "distflow_lab.algos.grpo:grpo_dag"
+BUILTIN_MODULES = ("distflow_lab.algos.grpo", "distflow_lab.algos.ppo", "distflow_lab.algos.dapo",
+                   "distflow_lab.algos.gspo")  # each declares its algorithm when imported
+
 
 @dataclass(frozen=True)
 class Algorithm:
-    dag: str  # "module:function" building its DAG from (cfg, data_path); named, so checking a config imports no torch
-    estimators: tuple[str, ...]  # supported advantage estimators (names in estimators.ESTIMATORS); first = default
-    check: Callable[[RunConfig], None] | None = None  # its own config rules (torch-free); errors name the field
-    actor: Mapping[str, float] = field(default_factory=dict)  # its paper's actor options, where the user set none
+    """One algorithm's declaration (see `register_algorithm`)."""
+
+    name: str
+    dag: str | Callable  # builder(cfg, data_path) -> DAG, or its "module:function"
+    estimator: str  # the default advantage estimator
+    estimator_kinds: tuple[str, ...]  # the estimator kinds it runs (estimators.KINDS)
+    policy_loss: str  # the default policy loss
+    critic: bool  # trains a critic (its DAG has values and critic_update stages)
+    actor: Mapping[str, Any] = field(default_factory=dict)  # its paper's actor options, where the user set none
+    check: Callable[[RunConfig], None] | None = None  # its own config rules; errors name the field
+    actor_options: Callable[[RunConfig], ActorOptions] | None = None  # the update's actor options from the config
 
 
-def _loss_agg_is(cfg: RunConfig, mode: str, why: str) -> None:
+ALGORITHMS: Registry[Algorithm] = Registry("algorithm", "algorithm.name")
+
+
+def register_algorithm(name: str, *, dag: str | Callable = GRPO_DAG, estimator: str = "grpo",
+                       estimator_kinds: tuple[str, ...] = ("outcome", "token"), policy_loss: str = "ppo_clip",
+                       critic: bool = False, options: type | None = None, actor: Mapping[str, Any] | None = None,
+                       check: Callable[[RunConfig], None] | None = None,
+                       actor_options: Callable[[RunConfig], ActorOptions] | None = None) -> Algorithm:
+    """Declare an algorithm over the shared stages (GRPO's DAG unless `dag` says otherwise): its default
+    estimator and the estimator kinds it accepts, its policy loss, whether it trains a critic, its options
+    model (algorithm.options), its paper's actor defaults, its config rules. Returns the declaration."""
+    bad = sorted(set(actor or {}) - set(ActorOptions.model_fields))
+    if bad:
+        raise ConfigError(f"algorithm {name!r}: actor default {bad[0]!r} is not an actor option")
+    decl = Algorithm(name, dag, estimator, tuple(estimator_kinds), policy_loss, critic,
+                     MappingProxyType({"policy_loss": policy_loss, **(actor or {})}), check, actor_options)
+    ALGORITHMS.add(Entry(name, decl, options or NoOptions, {}, caller_module()))
+    return decl
+
+
+def algorithm(name: str) -> Algorithm:
+    """The declaration of `name` (the built-in ones are declared on first use)."""
+    if name not in ALGORITHMS:
+        algorithm_names()
+    return ALGORITHMS.get(name).obj
+
+
+def algorithm_names() -> list[str]:
+    """Every declared algorithm, the built-in ones first."""
+    for m in BUILTIN_MODULES:
+        importlib.import_module(m)
+    return ALGORITHMS.names()
+
+
+def algorithm_options(cfg: RunConfig) -> Any:
+    """The algorithm's typed options (algorithm.options, checked by its declared model)."""
+    algorithm(cfg.algorithm.name)
+    return ALGORITHMS.options(cfg.algorithm.name, cfg.algorithm.options, "algorithm.options")
+
+
+def effective_actor(cfg: RunConfig) -> ActorOptions:
+    """The actor options the update runs with: the run's, with the algorithm's defaults where the user
+    set nothing (also for a config that skipped `with_defaults`), through the algorithm's
+    `actor_options(cfg)` where it declares one (DAPO's switches)."""
+    decl = algorithm(cfg.algorithm.name)
+    cfg = with_actor_defaults(cfg)
+    return decl.actor_options(cfg) if decl.actor_options is not None else cfg.actor
+
+
+def with_actor_defaults(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the algorithm's actor defaults (its policy loss, its paper's options) where the user set none."""
+    decl = algorithm(cfg.algorithm.name)
+    unset = {k: v for k, v in decl.actor.items() if k not in cfg.actor.model_fields_set}
+    if not unset:
+        return cfg
+    actor = cfg.actor.model_copy(update=unset)
+    actor.model_fields_set.update(unset)  # explicit from here on: applying defaults twice changes nothing
+    return cfg.model_copy(update={"actor": actor})
+
+
+def loss_agg_is(cfg: RunConfig, mode: str, why: str) -> None:
     """An algorithm that fixes the loss aggregation: an explicit, different actor.loss_agg_mode is an error."""
     if "loss_agg_mode" in cfg.actor.model_fields_set and cfg.actor.loss_agg_mode != mode:
         raise ConfigError(f"actor.loss_agg_mode={cfg.actor.loss_agg_mode!r} contradicts {why}, which uses {mode!r}; "
                           f"drop actor.loss_agg_mode or set it to {mode!r}")
 
 
-def check_dapo(cfg: RunConfig) -> None:
-    d, a = cfg.algorithm.dapo, cfg.actor
-    if d.clip_higher and a.clip_ratio_high < a.clip_ratio_low:
-        raise ConfigError(f"actor.clip_ratio_high={a.clip_ratio_high} < actor.clip_ratio_low={a.clip_ratio_low}: "
-                          "DAPO's clip-higher (algorithm.dapo.clip_higher) needs clip_ratio_high >= clip_ratio_low")
-    _loss_agg_is(cfg, "token-mean" if d.token_level_loss else "seq-mean-token-mean",
-                 f"algorithm.dapo.token_level_loss={str(d.token_level_loss).lower()}")
-    r = cfg.rollout.max_response_len
-    if d.overlong_shaping and d.buffer_len(r) >= r:
-        raise ConfigError(f"algorithm.dapo.overlong_buffer_len={d.buffer_len(r)} must be < "
-                          f"rollout.max_response_len={r} (the penalty window ends at the longest response)")
-
-
-def check_gspo(cfg: RunConfig) -> None:
-    _loss_agg_is(cfg, "seq-mean-token-mean", "GSPO's sequence-level objective")
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    "grpo": Algorithm("distflow_lab.algos.grpo:grpo_dag", ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus")),
-    "ppo": Algorithm("distflow_lab.algos.ppo:ppo_dag", ("gae",)),
-    # DAPO: the paper's eps_high 0.28 (clip-higher), and verl's recipe's dual clip c = 10 (the paper has none)
-    "dapo": Algorithm("distflow_lab.algos.dapo:dapo_dag", ("grpo", "dr_grpo", "rloo"), check_dapo,
-                      actor={"clip_ratio_high": 0.28, "clip_ratio_c": 10.0}),
-    # GSPO: the paper's sequence-ratio clip range; PPO's 0.2 would be close to no clipping at all
-    "gspo": Algorithm("distflow_lab.algos.gspo:gspo_dag", ("grpo", "dr_grpo", "rloo"), check_gspo,
-                      actor={"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}),
-}
-
-
 def check_run_config(cfg: RunConfig) -> None:
-    """The algorithm and estimator exist and go together; errors name the field."""
+    """The algorithm, its options, the estimator and the policy loss exist, go together and parse;
+    errors name the field."""
+    from distflow_lab.algos.policy_losses import POLICY_LOSSES
+    from distflow_lab.algos.estimators import ESTIMATORS
+
     name = cfg.algorithm.name
-    if name not in ALGORITHMS:
-        raise ConfigError(f"algorithm.name: {name!r} is not a registered algorithm; registered: {list(ALGORITHMS)}")
-    est = cfg.algorithm.adv_estimator
-    if est is not None and est not in ALGORITHMS[name].estimators:
-        raise ConfigError(f"algorithm.adv_estimator: {name} does not support {est!r} (its advantage stage would "
-                          f"ignore it); {name} supports {list(ALGORITHMS[name].estimators)}")
-    if name != "dapo" and cfg.algorithm.dapo.model_fields_set:
-        field = sorted(cfg.algorithm.dapo.model_fields_set)[0]
-        raise ConfigError(f"algorithm.dapo.{field}: DAPO's switches have no meaning for algorithm {name!r}")
-    if ALGORITHMS[name].check is not None:
-        ALGORITHMS[name].check(cfg)
+    decl = algorithm(name)
+    algorithm_options(cfg)
+    est = cfg.algorithm.adv_estimator or decl.estimator
+    kind = ESTIMATORS.get(est).facts["kind"]
+    if kind not in decl.estimator_kinds:
+        fits = [n for n in ESTIMATORS if ESTIMATORS.get(n).facts["kind"] in decl.estimator_kinds]
+        raise ConfigError(f"algorithm.adv_estimator: {name} does not support {est!r} (its kind is {kind}; {name} "
+                          f"runs {' and '.join(decl.estimator_kinds)} estimators: {fits})")
+    ESTIMATORS.options(est, cfg.algorithm.estimator_options, "algorithm.estimator_options")
+    POLICY_LOSSES.get(cfg.actor.policy_loss)
+    POLICY_LOSSES.options(cfg.actor.policy_loss, cfg.actor.policy_loss_options, "actor.policy_loss_options")
+    if decl.check is not None:
+        decl.check(cfg)
+    check_data(cfg.data)
     check_old_log_prob(cfg)
     check_multi_turn(cfg)
 
@@ -92,8 +150,9 @@ def check_old_log_prob(cfg: RunConfig) -> None:
                "the previous one changed, so its old policy is not the update's")
     elif cfg.algorithm.use_kl_in_reward:
         why = "algorithm.use_kl_in_reward: the advantage reads the old log-probs before the update runs"
-    elif cfg.algorithm.name == "ppo":
-        why = "algorithm ppo: its DAG computes values and GAE after the old log-probs (not rewired for this)"
+    elif algorithm(cfg.algorithm.name).critic:
+        why = (f"algorithm {cfg.algorithm.name} (a critic): its DAG computes values and GAE after the old "
+               "log-probs (not rewired for this)")
     if why:
         raise ConfigError(f"actor.old_log_prob=from_update cannot run with {why}; use actor.old_log_prob=recompute")
 
@@ -114,19 +173,13 @@ def check_multi_turn(cfg: RunConfig) -> None:
 
 def with_defaults(cfg: RunConfig) -> RunConfig:
     """`cfg` checked, with the algorithm's defaults filled in where the user set nothing: its
-    default estimator and its paper's actor options (`Algorithm.actor`)."""
-    alg = ALGORITHMS[cfg.algorithm.name] if cfg.algorithm.name in ALGORITHMS else None
-    if alg is not None:
-        unset = {k: v for k, v in alg.actor.items() if k not in cfg.actor.model_fields_set}
-        if unset:
-            actor = cfg.actor.model_copy(update=unset)
-            actor.model_fields_set.update(unset)  # explicit from here on: applying defaults twice changes nothing
-            cfg = cfg.model_copy(update={"actor": actor})
+    default estimator, its policy loss and its paper's actor options (`Algorithm.actor`)."""
+    decl = algorithm(cfg.algorithm.name)
+    cfg = with_actor_defaults(cfg)
     check_run_config(cfg)
     if cfg.algorithm.adv_estimator is not None:
         return cfg
-    default = ALGORITHMS[cfg.algorithm.name].estimators[0]
-    return cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"adv_estimator": default})})
+    return cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"adv_estimator": decl.estimator})})
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -137,4 +190,5 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] | None 
 
 def build_dag(cfg: RunConfig, data_path: str) -> "DAG":
     check_run_config(cfg)
-    return resolve_function(ALGORITHMS[cfg.algorithm.name].dag, node=cfg.algorithm.name)(cfg, data_path)
+    decl = algorithm(cfg.algorithm.name)
+    return resolve_function(decl.dag, node=cfg.algorithm.name)(cfg, data_path)

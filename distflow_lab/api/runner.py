@@ -21,12 +21,8 @@ from distflow_lab.algos.registry import build_dag, load_run_config, with_default
 from distflow_lab.algos.sft import warm_start
 from distflow_lab.api.run_dirs import run_dir
 from distflow_lab.api.session import Session
-from distflow_lab.core.config import ConfigError, DataOptions, RunConfig, cache_root
-from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
-from distflow_lab.datasets.guess_number import write_guess_number_parquet
-from distflow_lab.datasets.long_tail import write_long_tail_parquet
-from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
-from distflow_lab.datasets.schema import read_table, validate_table
+from distflow_lab.core.config import ConfigError, RunConfig, cache_root
+from distflow_lab.datasets.registry import prepare_dataset
 from distflow_lab.graph.dag import DAG
 from distflow_lab.models.model_dir import ensure_tiny_model, has_model
 from distflow_lab.models.pretrained import PRETRAINED, ensure_pretrained
@@ -36,48 +32,10 @@ from distflow_lab.observe.trackers import close_all, log_step, make_loggers
 from distflow_lab.runtime.checkpoint_files import latest_checkpoint
 
 
-def arithmetic_difficulty(d: DataOptions) -> dict:
-    """make_arithmetic_rows' difficulty and style from the data options: one mapping for the training
-    file and the held-out set (experiments/base_eval.py)."""
-    return dict(min_operand=d.arithmetic_min_operand, max_operand=d.arithmetic_max_operand,
-                ops=tuple(dict.fromkeys(d.arithmetic_ops)), style=d.arithmetic_style)
-
-
 def prepare_data(cfg: RunConfig) -> str:
-    """The training parquet: generated (arithmetic), converted (GSM8K) or a given
-    path, checked against the verl schema before any worker starts."""
-    root = Path(cfg.data.cache_dir)
-    if cfg.data.train == "arithmetic":
-        seed = cfg.session.seed
-        d = cfg.data
-        ops = "" if d.arithmetic_ops == "+" else "-ops" + d.arithmetic_ops.replace("*", "x")  # old names stay valid
-        low = f"-min{d.arithmetic_min_operand}" if d.arithmetic_min_operand else ""
-        style = "" if d.arithmetic_style == "bare" else f"-{d.arithmetic_style}"
-        path = root / f"arithmetic-{d.arithmetic_rows}{low}-max{d.arithmetic_max_operand}{ops}{style}-s{seed}.parquet"
-        if not path.exists():
-            root.mkdir(parents=True, exist_ok=True)
-            write_arithmetic_parquet(path, d.arithmetic_rows, seed, **arithmetic_difficulty(d))
-    elif cfg.data.train == "long_tail":
-        lt = cfg.data.long_tail
-        max_len = cfg.rollout.max_response_len - 1  # room for the eos
-        path = root / f"long_tail-{lt.rows}-m{lt.median:g}-s{lt.sigma:g}-max{max_len}-s{cfg.session.seed}.parquet"
-        if not path.exists():
-            root.mkdir(parents=True, exist_ok=True)
-            write_long_tail_parquet(path, lt.rows, cfg.session.seed, median=lt.median, sigma=lt.sigma, max_len=max_len)
-    elif cfg.data.train == "guess_number":
-        g = cfg.data.guess_number
-        path = root / f"guess_number-{g.rows}-high{g.high}-s{cfg.session.seed}.parquet"
-        if not path.exists():
-            root.mkdir(parents=True, exist_ok=True)
-            write_guess_number_parquet(path, g.rows, cfg.session.seed, g.high)
-    elif cfg.data.train == "gsm8k":
-        path = root / "gsm8k-train.parquet"
-        if not path.exists():
-            root.mkdir(parents=True, exist_ok=True)
-            convert_gsm8k(default_gsm8k_dir() / "train.jsonl", path, split="train")
-    else:
-        path = Path(cfg.data.train)
-    validate_table(read_table(path), path)  # names the file and the missing column
+    """The training parquet: the registered dataset's rows written once (datasets/registry.py) or a
+    given path, checked against the verl schema before any worker starts."""
+    path = prepare_dataset(cfg.data, cfg.session.seed, cfg)  # schema checked; errors name the file
     rows = pq.ParquetFile(path).metadata.num_rows
     dp = cfg.session.cluster.world_size // cfg.rollout.tp
     if rows < cfg.data.prompts_per_step:

@@ -16,8 +16,12 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
+from pydantic import Field, model_validator
+
+from distflow_lab.core.registry import Options
+from distflow_lab.datasets.registry import DatasetInputs, register_dataset
 from distflow_lab.datasets.schema import write_parquet
 
 DATA_SOURCE = "distflow/arithmetic"
@@ -99,3 +103,35 @@ def make_arithmetic_rows(
 def write_arithmetic_parquet(path: str | os.PathLike, n: int, seed: int, **difficulty: Any) -> Path:
     """Write `make_arithmetic_rows(n, seed, **difficulty)` to `path`; return the path."""
     return write_parquet(make_arithmetic_rows(n, seed, **difficulty), path)
+
+
+class ArithmeticOptions(Options):
+    """The arithmetic task (data.train: arithmetic; data.options)."""
+
+    rows: int = Field(default=4096, ge=1)
+    """Rows generated."""
+    min_operand: int = Field(default=0, ge=0)
+    """Smallest operand (10 with max 99: two-digit operands)."""
+    max_operand: int = Field(default=9, ge=0)
+    """Largest operand (difficulty)."""
+    ops: str = Field(default="+", pattern=r"^[+\-*]+$")
+    """The operators, any of "+-*" (e.g. "*": products a tool helps with)."""
+    style: Literal["bare", "question"] = "bare"
+    """bare: "3+4=" -> "7" (the tiny char-level model); question: "What is 3 + 4? Answer with the number.",
+    scored on the answer's last number (an instruct model, through its chat template)."""
+
+    @model_validator(mode="after")
+    def _operand_range(self) -> "ArithmeticOptions":
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"min_operand={self.min_operand} is above max_operand={self.max_operand}")
+        return self
+
+    def difficulty(self) -> dict:
+        """make_arithmetic_rows' difficulty and style."""
+        return dict(min_operand=self.min_operand, max_operand=self.max_operand, ops=tuple(dict.fromkeys(self.ops)),
+                    style=self.style)
+
+
+@register_dataset("arithmetic", options=ArithmeticOptions)
+def arithmetic(x: DatasetInputs) -> list[dict[str, Any]]:
+    return make_arithmetic_rows(x.options.rows, x.seed, split=x.split, **x.options.difficulty())

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from distflow_lab.datasets.registry import DatasetInputs, register_dataset
 from distflow_lab.datasets.schema import DatasetError, write_parquet
 
 DATA_SOURCE = "openai/gsm8k"
@@ -57,19 +58,10 @@ def gsm8k_row(question: str, answer: str, split: str, index: int) -> dict[str, A
     }
 
 
-def convert_gsm8k(
-    jsonl_path: str | os.PathLike,
-    parquet_path: str | os.PathLike,
-    split: str | None = None,
-    limit: int | None = None,
-    row_group_size: int = 256,
-) -> int:
-    """Convert a GSM8K jsonl file to verl-schema parquet; return the number of rows written.
-
-    `split` defaults to the file stem ("train" / "test"). `limit` keeps the
-    first N rows (handy for quick runs). A malformed line raises `DatasetError`
-    naming the file and 1-based line number. Blank lines are skipped.
-    """
+def read_gsm8k(jsonl_path: str | os.PathLike, split: str | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+    """verl-schema rows from a GSM8K jsonl file. `split` defaults to the file stem ("train" / "test");
+    `limit` keeps the first N rows. A malformed line raises `DatasetError` naming the file and 1-based
+    line number. Blank lines are skipped."""
     jsonl_path = Path(jsonl_path)
     if not jsonl_path.is_file():
         raise DatasetError(f"{jsonl_path}: GSM8K jsonl file does not exist")
@@ -97,5 +89,23 @@ def convert_gsm8k(
                 raise DatasetError(f"{where}: {e}") from e
     if not rows:
         raise DatasetError(f"{jsonl_path}: no rows found")
+    return rows
+
+
+def convert_gsm8k(
+    jsonl_path: str | os.PathLike,
+    parquet_path: str | os.PathLike,
+    split: str | None = None,
+    limit: int | None = None,
+    row_group_size: int = 256,
+) -> int:
+    """Convert a GSM8K jsonl file to verl-schema parquet (`read_gsm8k`); return the number of rows written."""
+    rows = read_gsm8k(jsonl_path, split, limit)
     write_parquet(rows, parquet_path, row_group_size=row_group_size)
     return len(rows)
+
+
+@register_dataset("gsm8k")
+def gsm8k(x: DatasetInputs) -> list[dict[str, Any]]:
+    """GSM8K's train or test split from ../shared (or $DISTFLOW_GSM8K_DIR)."""
+    return read_gsm8k(default_gsm8k_dir() / f"{x.split}.jsonl", split=x.split)

@@ -8,6 +8,10 @@ import random
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
+from distflow_lab.core.registry import Options
+from distflow_lab.datasets.registry import DatasetInputs, register_dataset
 from distflow_lab.datasets.schema import write_parquet
 
 DATA_SOURCE = "distflow/guess_number"
@@ -26,3 +30,17 @@ def make_guess_number_rows(n: int, seed: int, high: int = 15, split: str = "trai
 def write_guess_number_parquet(path: str | os.PathLike, n: int, seed: int, high: int = 15) -> Path:
     """Write `make_guess_number_rows(n, seed, high)` to `path`; return the path."""
     return write_parquet(make_guess_number_rows(n, seed, high), path)
+
+
+class GuessNumberOptions(Options):
+    """The guess-the-number game's rows (data.train: guess_number; data.options): a secret in [1, high] each."""
+
+    rows: int = Field(default=4096, ge=1)
+    """Rows generated."""
+    high: int = Field(default=15, ge=1)
+    """The secret's range is 1..high (the prompt states it)."""
+
+
+@register_dataset("guess_number", options=GuessNumberOptions)
+def guess_number(x: DatasetInputs) -> list[dict[str, Any]]:
+    return make_guess_number_rows(x.options.rows, x.seed, x.options.high, split=x.split)

@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
+from distflow_lab.core.registry import Options
+from distflow_lab.datasets.registry import DatasetInputs, register_dataset
 from distflow_lab.datasets.schema import write_parquet
 
 DATA_SOURCE = "distflow/long_tail"
@@ -51,3 +54,21 @@ def make_long_tail_rows(n: int, seed: int, median: float = 6.0, sigma: float = 1
 def write_long_tail_parquet(path: str | os.PathLike, n: int, seed: int, **shape: Any) -> Path:
     """Write `make_long_tail_rows(n, seed, **shape)` to `path`; return the path."""
     return write_parquet(make_long_tail_rows(n, seed, **shape), path)
+
+
+class LongTailOptions(Options):
+    """The long-tail task (data.train: long_tail; data.options): target lengths from a lognormal."""
+
+    rows: int = Field(default=4096, ge=1)
+    """Rows generated."""
+    median: float = Field(default=6.0, gt=0)
+    """Median target length in tokens."""
+    sigma: float = Field(default=1.4, ge=0)
+    """Log-sd of the target lengths (1.4: the longest of 32 prompts is ~15x the median)."""
+
+
+@register_dataset("long_tail", options=LongTailOptions)
+def long_tail(x: DatasetInputs) -> list[dict[str, Any]]:
+    max_len = x.config.rollout.max_response_len - 1  # room for the eos
+    o = x.options
+    return make_long_tail_rows(o.rows, x.seed, median=o.median, sigma=o.sigma, max_len=max_len, split=x.split)

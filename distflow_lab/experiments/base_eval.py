@@ -23,12 +23,10 @@ from tqdm.auto import tqdm
 
 from distflow_lab.algos.engine_setup import make_reward_fn
 from distflow_lab.algos.registry import load_run_config
-from distflow_lab.api.runner import arithmetic_difficulty, prepare
+from distflow_lab.api.runner import prepare
 from distflow_lab.core.config import LoraOptions, RunConfig
-from distflow_lab.datasets.arithmetic import make_arithmetic_rows
-from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
+from distflow_lab.datasets.registry import dataset_rows, is_dataset
 from distflow_lab.datasets.rewards import extract_gsm8k_answer, last_number
-from distflow_lab.datasets.schema import read_table
 from distflow_lab.models.lora import merged_state_dict
 from distflow_lab.models.model_dir import load_model_dir
 from distflow_lab.models.rollout_hf import HFRollout
@@ -76,16 +74,10 @@ class EvalResult:
 def heldout_rows(cfg: RunConfig, rows: int) -> list[dict]:
     """A fixed held-out set for the preset's task, the same for every run seed: GSM8K's test split, or
     arithmetic rows drawn with a seed no training file uses."""
-    d = cfg.data
-    if d.train == "arithmetic":
-        return make_arithmetic_rows(rows, HELDOUT_SEED, split="test", **arithmetic_difficulty(d))
-    if d.train == "gsm8k":
-        path = Path(d.cache_dir) / "gsm8k-test.parquet"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            convert_gsm8k(default_gsm8k_dir() / "test.jsonl", path, split="test")
-        return read_table(path).slice(0, rows).to_pylist()
-    raise ValueError(f"eval knows the held-out sets of arithmetic and gsm8k, not data.train={d.train!r}")
+    if not is_dataset(cfg.data.train):
+        raise ValueError(f"eval draws its held-out set from a registered dataset's test split; data.train is the "
+                         f"file {cfg.data.train!r}")
+    return dataset_rows(cfg.data, HELDOUT_SEED, split="test", config=cfg)[:rows]
 
 
 def load_trained_policy(model: torch.nn.Module, checkpoint: str | Path, lora: LoraOptions | None = None) -> Path:

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from distflow_lab.core.config import SessionConfig, WeightSyncOptions, check_groups, check_schedule
 from distflow_lab.core.errors import CheckpointError, PlaneLost, SessionBroken, StageError
 from distflow_lab.core.spans import spans_to_frame
+from distflow_lab.core.registry import user_entries
 from distflow_lab.dataplane.interface import DataPlane, PlaneSetup, Routing
 from distflow_lab.datasets.loader import check_data_node
 from distflow_lab.graph.dag import DAG
@@ -115,7 +116,8 @@ class Controller:
             profile = ProfileSpec(p.stages, p.steps, p.directory) if p is not None else None  # absolute here
             setup = WorkerSetup(self.plan, self.mode, self.config.seed, spec, self.session_id, self.config.algo,
                                 self.engines, self.config.keep_outputs, threads, profile=profile, board=self.board,
-                                schedule=self.config.schedule, weight_sync=self._weight_sync())
+                                schedule=self.config.schedule, weight_sync=self._weight_sync(),
+                                extensions=user_entries())
             self.worker_info = self._gather([w.setup.remote(setup) for w in self.workers], -1, "setup",
                                             SETUP_STAGES * c.stage_timeout_s)
             self.plane.ready()

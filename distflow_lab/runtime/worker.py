@@ -29,6 +29,7 @@ from ray.exceptions import RayError
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ScheduleOptions, WeightSyncOptions
 from distflow_lab.core.errors import StageContractError, StageError, WeightBoardLost, WeightSyncMismatch, WeightSyncTimeout
+from distflow_lab.core.registry import install
 from distflow_lab.core.spans import SpanRecorder
 from distflow_lab.dataplane.interface import WorkerPort, WorkerSpec
 from distflow_lab.dataplane.routing import item_lengths
@@ -65,6 +66,7 @@ class WorkerSetup:
     board: Any = None  # the WeightBoard actor when generation and training run on disjoint groups
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)  # visible to stages as ctx.schedule
     weight_sync: WeightSyncOptions = field(default_factory=WeightSyncOptions)  # worker groups: buckets, deadline
+    extensions: dict = field(default_factory=dict)  # the driver's registry entries defined outside the library
 
 
 def _timed(tensors: Iterable[tuple[str, torch.Tensor]], report: SyncReport) -> Iterator[tuple[str, torch.Tensor]]:
@@ -116,6 +118,7 @@ class DAGWorker:
         """(Re)configure this worker for a plan. Called again when a session reuses the
         workers for another DAG, mode or switches: everything of the last plan goes."""
         self._reset()
+        install(s.extensions)  # a notebook's estimators, losses, algorithms: the same names here as in the driver
         self.s, self.plan = s, s.plan
         self.rec.mode = s.mode
         torch.set_num_threads(max(1, s.threads))

@@ -20,8 +20,8 @@ from distflow_lab.core.config.loading import (PRESETS, apply_overrides, cache_ro
                                               load_model, parse_overrides, parse_run_config, placed_key,
                                               preset_names, read_yaml, resolve_paths, set_dotted)
 from distflow_lab.core.config.nodes import Contract, DataSpec
-from distflow_lab.core.config.run import (GENERATED_DATA, SESSION_KEYS, ActorOptions, LoraOptions, AlgorithmOptions, CriticOptions,
-                                          DAPOOptions, DataOptions, KLKind, LongTailOptions, check_partial_rollout, LossAgg, ModelOptions, Optim, RewardOptions,
+from distflow_lab.core.config.run import (SESSION_KEYS, ActorOptions, LoraOptions, AlgorithmOptions, CriticOptions,
+                                          DataOptions, KLKind, check_partial_rollout, LossAgg, ModelOptions, Optim, RewardOptions,
                                           MultiTurnOptions, RolloutOptions, RunConfig, TinySpec, TrainerOptions, VLLMOptions, WarmStart,
                                           run_session)
 from distflow_lab.core.config.session import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, Mode, ProfileOptions,
@@ -38,8 +38,8 @@ __all__ = [
     # nodes
     "DataSpec", "Contract",
     # run
-    "TinySpec", "WarmStart", "ModelOptions", "DataOptions", "LongTailOptions", "GENERATED_DATA", "check_partial_rollout", "VLLMOptions", "MultiTurnOptions", "RolloutOptions", "Optim", "LossAgg",
-    "KLKind", "ActorOptions", "LoraOptions", "CriticOptions", "DAPOOptions", "AlgorithmOptions", "RewardOptions",
+    "TinySpec", "WarmStart", "ModelOptions", "DataOptions", "check_partial_rollout", "VLLMOptions", "MultiTurnOptions", "RolloutOptions", "Optim", "LossAgg",
+    "KLKind", "ActorOptions", "LoraOptions", "CriticOptions", "AlgorithmOptions", "RewardOptions",
     "TrainerOptions", "RunConfig", "SESSION_KEYS", "run_session",
     # loading
     "set_dotted", "parse_overrides", "flat_sections", "canonical_key", "placed_key", "apply_overrides",

@@ -76,63 +76,44 @@ def check_partial_rollout(partial_rollout: bool, engine: str, tp: int = 1) -> No
                           "tensor-parallel engine could resume at different policy versions")
 
 
-class LongTailOptions(Strict):
-    """The long-tail task (data.train: long_tail): target lengths from a lognormal."""
-
-    rows: int = Field(default=4096, ge=1)
-    """Rows generated."""
-    median: float = Field(default=6.0, gt=0)
-    """Median target length in tokens."""
-    sigma: float = Field(default=1.4, ge=0)
-    """Log-sd of the target lengths (1.4: the longest of 32 prompts is ~15x the median)."""
-
-
-class GuessNumberData(Strict):
-    """The guess-the-number game's rows (data.train: guess_number): a secret in [1, high] each."""
-
-    rows: int = Field(default=4096, ge=1)
-    """Rows generated."""
-    high: int = Field(default=15, ge=1)
-    """The secret's range is 1..high (the prompt states it)."""
-
-
-GENERATED_DATA = ("arithmetic", "gsm8k", "long_tail", "guess_number")  # data.train names that are not a file
+# Keys of the data section before the dataset registry, by the dataset they belong to: saved configs stay readable
+LEGACY_DATA_KEYS = {"arithmetic_rows": ("arithmetic", "rows"), "arithmetic_max_operand": ("arithmetic", "max_operand"),
+                    "arithmetic_min_operand": ("arithmetic", "min_operand"), "arithmetic_ops": ("arithmetic", "ops"),
+                    "arithmetic_style": ("arithmetic", "style"), "long_tail": ("long_tail", None),
+                    "guess_number": ("guess_number", None)}
 
 
 class DataOptions(Strict):
     train: str = "arithmetic"
-    """verl-schema parquet/jsonl path, or "arithmetic" / "long_tail" / "guess_number" (generated) or "gsm8k"
-    (converted from ../shared)."""
+    """A dataset registered with `lab.register_dataset` (arithmetic, long_tail, guess_number, gsm8k, or your
+    own), generated under cache_dir; or a verl-schema parquet/jsonl path."""
+    options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Each dataset's own options, by dataset name, checked by its declared options model
+    (data.options.arithmetic.max_operand=99); data.train's are used, the others only checked."""
     prompts_per_step: int = Field(default=16, ge=1)
     """Prompts in the global batch of one step (each gets `rollout.n` responses)."""
     max_prompt_len: int = Field(default=16, ge=1)
     """P: prompts are left-padded to this many tokens; longer ones are truncated (counted and reported)."""
     shuffle: bool = True
     """Shuffle each rank's shard every epoch (seeded)."""
-    arithmetic_rows: int = 4096
-    """Rows generated for the arithmetic task."""
-    arithmetic_max_operand: int = 9
-    """Largest operand of the arithmetic task (difficulty)."""
-    arithmetic_ops: str = Field(default="+", pattern=r"^[+\-*]+$")
-    """The arithmetic task's operators, any of "+-*" (e.g. "*": products a tool helps with)."""
-    arithmetic_min_operand: int = Field(default=0, ge=0)
-    """Smallest operand of the arithmetic task (10 with max 99: two-digit operands)."""
-    arithmetic_style: Literal["bare", "question"] = "bare"
-    """bare: "3+4=" -> "7" (the tiny char-level model); question: "What is 3 + 4? Answer with the number.",
-    scored on the answer's last number (an instruct model, through its chat template)."""
-    long_tail: LongTailOptions = Field(default_factory=LongTailOptions)
-    """The long-tail task's target lengths."""
-    guess_number: GuessNumberData = Field(default_factory=GuessNumberData)
-    """The guess-the-number game's rows."""
     cache_dir: str = "data"
     """Where generated (arithmetic) and converted (GSM8K) parquet files go. Relative: under the cache dir."""
 
-    @model_validator(mode="after")
-    def _operand_range(self) -> "DataOptions":
-        if self.arithmetic_min_operand > self.arithmetic_max_operand:
-            raise ValueError(f"data.arithmetic_min_operand={self.arithmetic_min_operand} is above "
-                             f"data.arithmetic_max_operand={self.arithmetic_max_operand}")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """`data.arithmetic_max_operand: 99` and `data.long_tail: {...}` (before the registry) are
+        data.options.arithmetic.max_operand and data.options.long_tail now: saved configs still read."""
+        if not isinstance(data, dict) or not set(data) & set(LEGACY_DATA_KEYS):
+            return data
+        data = dict(data)
+        options = {k: dict(v) for k, v in (data.get("options") or {}).items()}
+        for key in [k for k in data if k in LEGACY_DATA_KEYS]:
+            dataset, option = LEGACY_DATA_KEYS[key]
+            value = data.pop(key)
+            options.setdefault(dataset, {}).update(value if option is None else {option: value})
+        data["options"] = options
+        return data
 
 
 class VLLMOptions(Strict):
@@ -287,6 +268,11 @@ class ActorOptions(Optim):
     """Truncated IS: the cap on pi_prox / pi_behaviour."""
     behav_imp_weight_cap: float | None = Field(default=None, gt=1)
     """Decoupled PPO (off_policy=decoupled only): drop tokens whose pi_prox / pi_behaviour exceeds this from the loss (AReaL); None: keep all."""
+    policy_loss: str = "ppo_clip"
+    """The policy-gradient loss, one registered with `lab.register_policy_loss` (ppo_clip, gspo, or your own);
+    unset: the algorithm's (its declaration)."""
+    policy_loss_options: dict[str, Any] = Field(default_factory=dict)
+    """The policy loss's own options, checked by its declared options model."""
     old_log_prob: Literal["recompute", "from_update"] = "recompute"
     """The PPO ratio's old policy: a forward pass over the batch before the update (recompute), or the update's own forward, detached (from_update: TRL's on-policy shortcut, one forward pass fewer; one mini-batch only, and no KL in the reward)."""
 
@@ -305,37 +291,16 @@ class CriticOptions(Optim):
     """Real tokens per critic micro-batch."""
 
 
-class DAPOOptions(Strict):
-    """DAPO's four parts (Yu et al., 2025, arXiv:2503.14476), each a switch; they apply only when
-    algorithm.name is dapo (setting one for another algorithm is an error naming it)."""
-
-    clip_higher: bool = True
-    """Decoupled clip: ratio in [1 - actor.clip_ratio_low, 1 + actor.clip_ratio_high] (needs high >= low); off: [1 - low, 1 + low]."""
-    dynamic_sampling: bool = True
-    """Drop prompt groups whose accuracies are all equal (zero advantage) and sample again until the batch is full."""
-    oversample: float = Field(default=1.5, ge=1)
-    """Dynamic sampling: prompts generated in the first round = data.prompts_per_step x this (rounded up to the rollout's dp)."""
-    max_rounds: int = Field(default=3, ge=1)
-    """Dynamic sampling: generation rounds at most, the first included; a rank still short then trains on fewer groups."""
-    token_level_loss: bool = True
-    """Token-level loss (token-mean: every token weighs the same); off: seq-mean-token-mean (GRPO's per-sample mean)."""
-    overlong_shaping: bool = True
-    """Soft overlong penalty: 0 down to -overlong_penalty_factor over the last overlong_buffer_len tokens before rollout.max_response_len."""
-    overlong_buffer_len: int | None = Field(default=None, ge=1)
-    """Overlong shaping: the length window L_cache (None: a quarter of rollout.max_response_len, at least 1); must be < rollout.max_response_len."""
-    overlong_penalty_factor: float = Field(default=1.0, ge=0)
-    """Overlong shaping: the penalty at (and past) rollout.max_response_len."""
-
-    def buffer_len(self, max_response_len: int) -> int:
-        """The overlong window L_cache in tokens."""
-        return self.overlong_buffer_len if self.overlong_buffer_len is not None else max(1, max_response_len // 4)
-
-
 class AlgorithmOptions(Strict):
     name: str = "grpo"
-    """Which algorithm (its DAG and stages): one registered in `distflow_lab.algos.registry` (grpo, ppo, ...)."""
+    """Which algorithm: a declaration registered with `lab.register_algorithm` (grpo, ppo, dapo, gspo, or your own)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The algorithm's own options, checked by its declared options model (DAPO's switches: algorithm.options.max_rounds=2)."""
     adv_estimator: str | None = None
-    """Advantage estimator; None: the algorithm's default. Each algorithm lists the estimators it supports."""
+    """Advantage estimator, one registered with `lab.register_estimator`; None: the algorithm's default. The
+    algorithm runs estimators of the kinds it declares (outcome, token, critic)."""
+    estimator_options: dict[str, Any] = Field(default_factory=dict)
+    """The estimator's own options, checked by its declared options model."""
     gamma: float = 1.0
     """Discount (GAE, REINFORCE++)."""
     lam: float = 1.0
@@ -346,8 +311,18 @@ class AlgorithmOptions(Strict):
     """Weight of the KL reward penalty."""
     kl_penalty: KLKind = "k1"
     """KL estimator for the reward penalty."""
-    dapo: DAPOOptions = Field(default_factory=DAPOOptions)
-    """DAPO's switches (algorithm.name dapo only)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """Saved configs from before the registries: `algorithm.dapo` is `algorithm.options` now."""
+        if isinstance(data, dict) and "dapo" in data:
+            data = dict(data)
+            moved = data.pop("dapo")
+            if data.get("options"):
+                raise ValueError("algorithm.dapo is algorithm.options now; give DAPO's switches in one of them")
+            data["options"] = moved
+        return data
 
 
 class RewardOptions(Strict):

@@ -68,7 +68,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
              "no complete checkpoint under {dir}/fresh/checkpoints to resume from",
              "`--resume` where no checkpoint was written"),
     BadInput("data-missing", ("run", "tiny-cpu-grpo", "data.train={dir}/none.parquet", "--out", "{dir}/o1"),
-             "{dir}/none.parquet: dataset file does not exist", "`data.train` naming no file"),
+             "data.train: '{dir}/none.parquet' is neither a registered dataset", "`data.train` naming no file"),
     BadInput("data-corrupt", ("run", "tiny-cpu-grpo", "data.train={dir}/corrupt.parquet", "--out", "{dir}/o2"),
              "{dir}/corrupt.parquet: not a readable parquet file (corrupt or wrong format)",
              "`data.train` naming a file that is not parquet"),
