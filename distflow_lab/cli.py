@@ -108,18 +108,22 @@ def check_peer(a: argparse.Namespace) -> None:
     if importlib.util.find_spec(a.against) is None:
         raise UsageError(f"bench peer --against {a.against} needs {a.against}: pip install 'distflow_lab[bench]'")
     from distflow_lab.algos.registry import load_run_config
-    from distflow_lab.experiments.bench.peer_trl import overrides_for
+    from distflow_lab.experiments.bench.peer_trl import PEER_ALGORITHMS, overrides_for
 
     cfg = load_run_config(a.preset, overrides_for(a.engine, a.prompts, a.n, a.max_tokens))
-    if cfg.algorithm.name != "grpo":
-        raise UsageError(f"--preset {a.preset} runs {cfg.algorithm.name}; the peer comparison runs GRPO")
+    if cfg.algorithm.name not in PEER_ALGORITHMS:
+        raise UsageError(f"--preset {a.preset} runs {cfg.algorithm.name}; the peer comparison maps "
+                         f"{list(PEER_ALGORITHMS)} onto TRL")
     if cfg.rollout.n < 2:
         raise UsageError(f"--preset {a.preset} has rollout.n={cfg.rollout.n}; GRPO against TRL needs --n 2 or more")
     if cfg.actor.mini_batches != 1:
         raise UsageError(f"--preset {a.preset} has actor.mini_batches={cfg.actor.mini_batches}; the peer comparison "
                          "maps one optimizer step per RL step")
-    if cfg.data.train not in ("arithmetic", "gsm8k"):
-        raise UsageError(f"the held-out accuracy needs data.train arithmetic or gsm8k, not {cfg.data.train!r}")
+    from distflow_lab.datasets.registry import is_dataset
+
+    if not is_dataset(cfg.data.train):
+        raise UsageError(f"the held-out accuracy draws the test split of a registered dataset; data.train is the file "
+                         f"{cfg.data.train!r}")
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -148,8 +152,11 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
     fresh_file(a.json, a.overwrite)
     cfg = load_run_config(a.config, list(a.overrides))  # a bad config or override fails before the model loads
-    if cfg.data.train not in ("arithmetic", "gsm8k"):
-        raise UsageError(f"eval has held-out sets for data.train arithmetic and gsm8k, not {cfg.data.train!r}")
+    from distflow_lab.datasets.registry import is_dataset
+
+    if not is_dataset(cfg.data.train):
+        raise UsageError(f"eval draws its held-out set from a registered dataset's test split; data.train is the "
+                         f"file {cfg.data.train!r}")
     from distflow_lab.experiments.base_eval import run
 
     if a.checkpoint and not Path(a.checkpoint).exists():
@@ -262,22 +269,26 @@ def cmd_soak(a: argparse.Namespace) -> int:
 
 
 def cmd_data(a: argparse.Namespace) -> int:
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if a.what == "gsm8k":
-        from distflow_lab.datasets.gsm8k import convert_gsm8k, default_gsm8k_dir
+    from distflow_lab.core.config import RunConfig, load_model, parse_overrides
+    from distflow_lab.datasets.registry import dataset_rows, is_dataset
+    from distflow_lab.datasets.schema import write_parquet
 
-        src = Path(a.src) if a.src else default_gsm8k_dir()
-        for split in ("train", "test"):  # the names the runner's data.train=gsm8k reads
-            n = convert_gsm8k(src / f"{split}.jsonl", out / f"gsm8k-{split}.parquet", split=split)
-            print(f"{out / f'gsm8k-{split}.parquet'}: {n} rows")
-    else:
-        from distflow_lab.datasets.arithmetic import write_arithmetic_parquet
-
-        for split, seed in (("train", a.seed), ("test", a.seed + 1)):
-            path = write_arithmetic_parquet(out / f"{split}.parquet", a.n, seed)
-            print(f"{path}: {a.n} rows")
+    if not is_dataset(a.name):
+        raise UsageError(f"no registered dataset {a.name!r}; registered: {sorted(dataset_names_for_cli())}")
+    cfg = load_model(RunConfig, {"data": {"train": a.name, "options": {a.name: parse_overrides(a.options)}}},
+                     "distflow-lab data")
+    out = Path(a.out or f"runs/data/{a.name}")
+    for split, seed in (("train", a.seed), ("test", a.seed + 1)):  # generated tasks: another seed held out
+        rows = dataset_rows(cfg.data, seed, split, cfg)
+        path = write_parquet(rows, out / f"{split}.parquet")
+        print(f"{path}: {len(rows)} rows")
     return 0
+
+
+def dataset_names_for_cli() -> list[str]:
+    from distflow_lab.datasets.registry import dataset_names
+
+    return dataset_names()
 
 
 # ---- the parser -----------------------------------------------------------------------------
@@ -455,15 +466,12 @@ def parser() -> argparse.ArgumentParser:
                     help="a config override of the tiny GRPO, engines hf and vllm (repeatable)")
     sk.set_defaults(fn=cmd_soak)
 
-    dt = sub.add_parser("data", help="write datasets as verl-schema parquet")
-    dsub = dt.add_subparsers(dest="what", required=True)
-    g = dsub.add_parser("gsm8k", help="convert GSM8K jsonl to verl-schema parquet")
-    g.add_argument("--src", default=None, help="folder with train.jsonl/test.jsonl (default ../shared/datasets/gsm8k)")
-    g.add_argument("--out", default="runs/data")
-    ar = dsub.add_parser("arithmetic", help="write the synthetic arithmetic task as parquet")
-    ar.add_argument("--out", default="runs/data/arithmetic")
-    ar.add_argument("--n", type=positive, default=2048)
-    ar.add_argument("--seed", type=int, default=0)
+    dt = sub.add_parser("data", help="write a registered dataset's train and test splits as verl-schema parquet")
+    dt.add_argument("name", help="a registered dataset: arithmetic, gsm8k, long_tail, guess_number")
+    dt.add_argument("options", nargs="*", help="its options as key=value, e.g. rows=2048 max_operand=99 "
+                                               "(gsm8k: dir=FOLDER with train.jsonl and test.jsonl)")
+    dt.add_argument("--out", default=None, help="folder for train.parquet and test.parquet (runs/data/NAME)")
+    dt.add_argument("--seed", type=int, default=0)
     dt.set_defaults(fn=cmd_data)
     return ap
 

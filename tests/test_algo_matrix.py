@@ -7,13 +7,20 @@ publishes for every algorithm: DAPO and GSPO once did not, and nothing noticed).
 from __future__ import annotations
 
 import pytest
+import torch
 
+import distflow_lab as lab
 from distflow_lab.api.runner import load_run_config, open_session
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.experiments.schedule_consistency import compare, tiny_config
 from distflow_lab.runtime.worker_pool import POOL
 
 from .conftest import VLLM_EAGER
+from .notebook_cells import notebook_cells
+
+# notebook 02's CISPO (a loss and a declaration) and OPO (an estimator), registered from its cells as a user does:
+# the workers get them with the session (core/registry.py), so they meet the planes, schedules and vLLM like the rest
+NOTEBOOK_02 = notebook_cells("02_build_your_own.ipynb", "cispo-loss", "opo-estimator", OVERRIDES=[])
 
 # preset, extra overrides: every algorithm and every estimator a preset allows. GSPO trains LoRA adapters
 # (models/lora.py: a sync sends the adapters, the rollout merges them): LoRA meets every plane, schedule and
@@ -27,6 +34,7 @@ ALGORITHMS = {
     "ppo": ("tiny-cpu-ppo", []),
     "dapo": ("tiny-cpu-dapo", ["algorithm.options.max_rounds=2"]),
     "gspo_lora": ("tiny-cpu-gspo", ["actor.lora={rank: 4, alpha: 8}"]),
+    "notebook_cispo_opo": ("tiny-cpu-grpo", ["algorithm.name=cispo", "algorithm.adv_estimator=opo"]),
 }
 pytestmark = pytest.mark.full  # the whole algorithm x schedule x engine matrix: the full tier
 
@@ -76,7 +84,17 @@ CELLS = {"grpo": SCHEDULES[3:],  # (colocated on the distributed plane: PPO's, G
          "dapo": [*SCHEDULES[:3], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
          "ppo": [SCHEDULES[2], SCHEDULES[4], SCHEDULES[5], SCHEDULES[8]],
          "gspo_lora": [SCHEDULES[2], SCHEDULES[3], SCHEDULES[6], SCHEDULES[7]],
-         "dr_grpo": [SCHEDULES[8]], "rloo": [PARTIAL_COORDINATOR], "reinforce_plus_plus": [SCHEDULES[2], SCHEDULES[8]]}
+         "dr_grpo": [SCHEDULES[8]], "rloo": [PARTIAL_COORDINATOR], "reinforce_plus_plus": [SCHEDULES[2], SCHEDULES[8]],
+         "notebook_cispo_opo": [*SCHEDULES[:3], SCHEDULES[5], SCHEDULES[8]]}  # every plane; one step off; async
+
+
+def ran_the_notebooks_code(s, m: dict, where: str) -> None:
+    """The workers ran notebook 02's loss and estimator, not a built-in one: no dual-clip metric (PPO's
+    loss logs it, CISPO's does not), and the advantages on a worker are OPO's of that worker's batch."""
+    assert "actor/clipfrac" in m and "actor/clipfrac_lower" not in m, (where, sorted(m))
+    b = s.output("advantage")
+    opts = s.config.algo.algorithm
+    torch.testing.assert_close(b["advantages"], NOTEBOOK_02.opo(lab.EstimatorInputs(b, None, opts))[0], msg=where)
 
 
 @pytest.mark.parametrize("algo", list(ALGORITHMS))
@@ -90,6 +108,8 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
         cfg = load_run_config(preset, small + extra + overrides + [f"mode={plane}"])
         with open_session(cfg, progress=False) as s:  # colocated: 2 updates show the sync; groups: 3 show the lag
             reports = [s.step() for _ in range(2 if schedule == "colocated" else UPDATES)]
+            if algo == "notebook_cispo_opo":
+                ran_the_notebooks_code(s, reports[-1].metrics, f"{schedule} / {plane}")
             if algo == "grpo" and schedule == "groups-sync":  # the figure: 3 per-step series + the token histogram
                 fig = s.mismatch()
                 assert [t.type for t in fig.data] == ["scatter"] * 3 + ["histogram"] and len(fig.data[3].x) > 0
@@ -166,7 +186,8 @@ def test_async_k0_is_sync_and_k1_is_one_step_off_on_a_real_engine(ray_cluster, t
 TP2 = ["rollout.tp=2"]  # one vLLM engine over both workers, tensor parallel over gloo
 VLLM_CELLS = {"grpo": [("colocated-tp2", "coordinator", TP2)],  # colocated tp=1: DAPO's cell; async with
               # partial rollouts on vLLM: PPO's cell here and tests/test_multiturn_rollout.py
-              "dapo": [SCHEDULES[0]], "gspo_lora": [SCHEDULES[3], SCHEDULES[6]], "ppo": [PARTIAL_COORDINATOR]}
+              "dapo": [SCHEDULES[0]], "gspo_lora": [SCHEDULES[3], SCHEDULES[6]], "ppo": [PARTIAL_COORDINATOR],
+              "notebook_cispo_opo": [SCHEDULES[1]]}
 
 
 @pytest.mark.budget(180, reason="up to three vLLM sessions (engine builds of ~20 s each) in one cell")
@@ -183,6 +204,8 @@ def test_every_algorithm_on_vllm(ray_cluster, small, algo):
         with open_session(cfg, progress=False) as s:  # colocated: 2 updates show the sync; groups: 3 show the lag
             m = [s.step().metrics for _ in range(2 if schedule.startswith("colocated") else UPDATES)]
             modes = set(s.weight_sync().get("mode", ["colocated"]))
+            if algo == "notebook_cispo_opo":
+                ran_the_notebooks_code(s, m[-1], f"vllm / {schedule} / {plane}")
         where = f"vllm / {algo} / {schedule} / {plane}"
         assert modes == ({"lora"} if algo == "gspo_lora" else {"full"} if "groups" in str(overrides) else
                          {"colocated"}), (where, modes)

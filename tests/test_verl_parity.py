@@ -18,6 +18,9 @@ Not compared, and why (nothing is skipped silently):
     against its formula built from core_algos.kl_penalty instead.
   - verl's GAE leaves its advantages and returns unmasked on padding (ours are 0 there), so
     GAE is compared on valid tokens only.
+
+Notebook 02's CISPO loss and OPO estimator (written as a user writes them, registered from a
+cell) are compared too: the cells themselves run here (tests/notebook_cells.py), not a copy.
 """
 import datetime
 import socket
@@ -34,12 +37,16 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weig
 from verl.workers.config import ActorConfig
 
 from distflow_lab.algos.estimators import ESTIMATORS, outcome_to_token_rewards, run_estimator
+from distflow_lab.algos.policy_losses import policy_loss
 from distflow_lab.algos.losses import (LOSS_AGG_MODES, aggregate_loss, apply_kl_in_reward, gspo_token_loss,
                                        kl_penalty, off_policy_weights, ppo_token_loss, value_loss_clipped,
                                        value_loss_token)
 from distflow_lab.core.batch import Batch
-from distflow_lab.core.config import AlgorithmOptions
+from distflow_lab.core.config import ActorOptions, AlgorithmOptions
 from distflow_lab.models.token_ops import loss_count, loss_sum
+from tests.notebook_cells import notebook_cells
+
+NOTEBOOK_02 = notebook_cells("02_build_your_own.ipynb", "cispo-loss", "opo-estimator", OVERRIDES=[])
 
 DT = torch.float64
 # (group sizes, response width T): a singleton group, uneven groups, several widths
@@ -112,6 +119,8 @@ def verl_estimator(name: str, c: dict) -> tuple[torch.Tensor, torch.Tensor]:
         return ca.compute_grpo_outcome_advantage(r, m, c["uid"], **OUTCOME[name])
     if name == "rloo":
         return ca.compute_rloo_outcome_advantage(r, m, c["uid"])
+    if name == "opo":  # notebook 02's
+        return ca.compute_opo_outcome_advantage(r, m, c["uid"])
     if name == "reinforce_plus_plus":
         return ca.compute_reinforce_plus_plus_outcome_advantage(r, m, config=AlgoConfig(gamma=0.9))
     adv, ret = ca.compute_gae_advantage_return(r, c["values"], m, gamma=0.9, lam=0.8)
@@ -127,7 +136,7 @@ def our_estimator(name: str, c: dict, rows=None, group=None, column: bool = True
 
 
 def test_every_estimator_is_compared():
-    assert set(ESTIMATORS) == {*OUTCOME, "rloo", "reinforce_plus_plus", "gae"}
+    assert set(ESTIMATORS) == {*OUTCOME, "rloo", "reinforce_plus_plus", "gae", "opo"}
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
@@ -140,7 +149,7 @@ def test_estimators(name):
         assert ours[0].abs().sum() > 0  # not trivially zero
 
 
-@pytest.mark.parametrize("name", [*OUTCOME, "rloo"])
+@pytest.mark.parametrize("name", [*OUTCOME, "rloo", "opo"])
 def test_outcome_estimators_on_scores(name):
     # no token_rewards column: verl's token_level_rewards is the score on the last valid token
     for c in cases():
@@ -193,6 +202,28 @@ def test_gspo_loss(clip, noise):
         ours_met = gspo_token_loss(c["old"], new, c["adv"], c["mask"], *clip)[1]
         assert ours_met["clipfrac"] == pytest.approx(met["actor/pg_clipfrac"], rel=1e-7, abs=1e-9)
         assert ours_met["approx_kl"] == pytest.approx(met["actor/ppo_kl"], rel=1e-7, abs=1e-9)
+
+
+@pytest.mark.parametrize("clip", [(0.2, 0.28), (1.0, 0.28)])  # both sides clipped; the declaration's (no lower)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_cispo_loss_from_the_notebook(clip, mode):
+    assert ca.get_policy_loss_fn("cispo") is ca.compute_policy_loss_cispo
+    assert NOTEBOOK_02.cispo_cfg.actor.clip_ratio_low == 1.0  # what the notebook's declaration fills in
+    cfg, a = actor_config(*clip), ActorOptions(clip_ratio_low=clip[0], clip_ratio_high=clip[1], policy_loss="cispo")
+    clipped = 0.0
+    for c in cases():
+        ours = grad_of(lambda lp: aggregate_loss(policy_loss(a)(c["old"], lp, c["adv"], c["mask"])[0], c["mask"],
+                                                 mode), c["new"])
+        theirs = grad_of(lambda lp: ca.compute_policy_loss_cispo(c["old"], lp, c["adv"], c["mask"], mode, cfg)[0],
+                         c["new"])
+        close(ours[0], theirs[0], f"cispo {mode} value")
+        close(ours[1], theirs[1], f"cispo {mode} grad")
+        _, met = ca.compute_policy_loss_cispo(c["old"], c["new"], c["adv"], c["mask"], mode, cfg)
+        mine = policy_loss(a)(c["old"], c["new"], c["adv"], c["mask"])[1]
+        assert mine["clipfrac"] == pytest.approx(met["actor/pg_clipfrac"], rel=1e-7, abs=1e-9)
+        assert mine["approx_kl"] == pytest.approx(met["actor/ppo_kl"], rel=1e-7, abs=1e-9)
+        clipped = max(clipped, mine["clipfrac"])
+    assert clipped > 0  # the clip engaged: a clipped token's gradient (not zero, unlike PPO's) is compared
 
 
 def test_kl_penalty():

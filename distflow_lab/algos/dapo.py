@@ -71,7 +71,7 @@ def dapo_dag(cfg: RunConfig, data_path: str) -> DAG:
     contracts = {**CONTRACTS, "reward": {"contract": {"outputs": ["acc", "scores"], "rows": "same"}}}
     dag = grpo_shape(fns, data, rollout_tp=cfg.rollout.tp, extras=contracts, name=cfg.algorithm.name,
                      groups=cfg.groups)
-    if algorithm_options(cfg).dynamic_sampling:  # one more stage, in the rollout's layout; its row count varies
+    if dapo_options(cfg).dynamic_sampling:  # one more stage, in the rollout's layout; its row count varies
         dag.node("dynamic_sampling", f"{__name__}:dynamic_sampling", role="rollout", type="generate",
                  deps=["reward"], layout=dag["rollout"].layout,
                  contract={"outputs": ["acc", "scores", "uid"], "rows": "any"})
@@ -79,10 +79,17 @@ def dapo_dag(cfg: RunConfig, data_path: str) -> DAG:
     return fit_kl(dag, cfg)  # DAPO drops the KL term (its preset): then the reference pass goes too
 
 
+def dapo_options(cfg: RunConfig) -> DAPOOptions:
+    """DAPO's switches: the algorithm's options where it declares DAPO's (dapo, or a variant declared with
+    options=DAPOOptions), else DAPO's defaults (its stages reused under another algorithm, as notebook 02 does)."""
+    opts = algorithm_options(cfg)
+    return opts if isinstance(opts, DAPOOptions) else DAPOOptions()
+
+
 def pool_size(cfg: RunConfig) -> int:
     """Prompts loaded and generated per step: prompts_per_step x oversample with dynamic sampling,
     rounded up to a multiple of the rollout's data-parallel size."""
-    d, dp = algorithm_options(cfg), cfg.cluster.world_size // cfg.rollout.tp
+    d, dp = dapo_options(cfg), cfg.cluster.world_size // cfg.rollout.tp
     if not d.dynamic_sampling:
         return cfg.data.prompts_per_step
     return dp * math.ceil(round(cfg.data.prompts_per_step * d.oversample / dp, 6))
@@ -111,7 +118,7 @@ def score(batch: Batch, ctx: StageContext) -> Batch:
         texts = decode_responses(e.tokenizer, batch["responses"], batch["response_mask"])
         acc = torch.tensor([e.reward_fn(src, text, truth) for src, text, truth in
                             zip(batch["data_source"], texts, batch["ground_truth"])], dtype=torch.float32)
-    d, R = algorithm_options(cfg), cfg.rollout.max_response_len
+    d, R = dapo_options(cfg), cfg.rollout.max_response_len
     penalty = torch.zeros_like(acc)
     if d.overlong_shaping:
         penalty = overlong_penalty(batch["response_mask"].sum(-1), R, d.buffer_len(R), d.overlong_penalty_factor)
@@ -151,7 +158,7 @@ def dynamic_sampling(batch: Batch, ctx: StageContext) -> Batch:
         todo = todo.select(np.flatnonzero(~mixed))
         dropped += num_groups(todo)
         have = sum(num_groups(k) for k in kept)
-        if have >= target or not len(todo) or rounds >= algorithm_options(cfg).max_rounds:
+        if have >= target or not len(todo) or rounds >= dapo_options(cfg).max_rounds:
             break
         todo = regenerate(todo, ctx, seed=ctx.seed + rounds)
         generated += num_groups(todo)
@@ -216,14 +223,14 @@ def regenerate(batch: Batch, ctx: StageContext, seed: int) -> Batch:
 def dapo_actor(cfg: RunConfig) -> ActorOptions:
     """The actor options the switches imply: clip-higher off = the symmetric clip
     [1 - low, 1 + low]; token-level loss = token-mean, off = seq-mean-token-mean."""
-    a, d = cfg.actor, algorithm_options(cfg)
+    a, d = cfg.actor, dapo_options(cfg)
     return a.model_copy(update={"clip_ratio_high": a.clip_ratio_high if d.clip_higher else a.clip_ratio_low,
                                 "loss_agg_mode": "token-mean" if d.token_level_loss else "seq-mean-token-mean"})
 
 
 def check(cfg: RunConfig) -> None:
     """DAPO's switches against the actor and rollout options; errors name the fields."""
-    d, a = algorithm_options(cfg), cfg.actor
+    d, a = dapo_options(cfg), cfg.actor
     if d.clip_higher and a.clip_ratio_high < a.clip_ratio_low:
         raise ConfigError(f"actor.clip_ratio_high={a.clip_ratio_high} < actor.clip_ratio_low={a.clip_ratio_low}: "
                           "DAPO's clip-higher (algorithm.options.clip_higher) needs clip_ratio_high >= clip_ratio_low")

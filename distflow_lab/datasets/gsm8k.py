@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from distflow_lab.core.registry import Options
 from distflow_lab.datasets.registry import DatasetInputs, register_dataset
 from distflow_lab.datasets.schema import DatasetError, write_parquet
 
@@ -105,7 +106,15 @@ def convert_gsm8k(
     return len(rows)
 
 
-@register_dataset("gsm8k")
+class GSM8KOptions(Options):
+    """Where GSM8K's train.jsonl and test.jsonl are (data.options.gsm8k)."""
+
+    dir: str | None = None
+    """None: $DISTFLOW_GSM8K_DIR, else ../shared/datasets/gsm8k."""
+
+
+@register_dataset("gsm8k", options=GSM8KOptions)
 def gsm8k(x: DatasetInputs) -> list[dict[str, Any]]:
-    """GSM8K's train or test split from ../shared (or $DISTFLOW_GSM8K_DIR)."""
-    return read_gsm8k(default_gsm8k_dir() / f"{x.split}.jsonl", split=x.split)
+    """GSM8K's train or test split, converted as verl's own preprocessing does."""
+    src = Path(x.options.dir) if x.options.dir else default_gsm8k_dir()
+    return read_gsm8k(src / f"{x.split}.jsonl", split=x.split)

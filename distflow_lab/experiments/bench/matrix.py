@@ -29,6 +29,7 @@ import numpy as np
 import ray
 from tqdm.auto import tqdm
 
+from distflow_lab.algos.registry import algorithm
 from distflow_lab.api.runner import load_run_config, open_session
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.experiments.bench.async_schedules import weight_sync_per_update
@@ -83,11 +84,12 @@ class Cell:
             out.append(f"groups={{rollout: {workers // 2}, train: {workers - workers // 2}}}")
         if self.tis or self.schedule.startswith("async"):
             out.append("actor.off_policy=tis")
-        if self.algorithm == "ppo":  # its DAG needs the old log-prob pass (registry.check_old_log_prob)
-            out += ["actor.old_log_prob=recompute", "algorithm.adv_estimator=gae"]  # GAE: its one estimator
-        if self.algorithm == "gspo":  # its sequence-level objective fixes the aggregation (registry.check_gspo)
-            out.append("actor.loss_agg_mode=seq-mean-token-mean")
-        return out
+        decl = algorithm(self.algorithm)
+        if decl.critic:  # its DAG needs the old log-prob pass (registry.check_old_log_prob)
+            out.append("actor.old_log_prob=recompute")
+        # each algorithm's own estimator (the preset's may be of a kind it does not run); its declared actor
+        # defaults (GSPO's aggregation, DAPO's clip) fill in by themselves
+        return [*out, f"algorithm.adv_estimator={decl.estimator}"]
 
 
 def run(preset: str = "smollm2-arith", cells: tuple[str, ...] = DEFAULT_CELLS, steps: int = 2,

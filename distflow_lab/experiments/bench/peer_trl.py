@@ -58,6 +58,7 @@ import numpy as np
 from distflow_lab.experiments.bench.common import print_table, summarize, write_json
 from distflow_lab.observe.span_stats import stage_breakdown
 
+PEER_ALGORITHMS = ("grpo",)  # what `bench peer` maps onto TRL's GRPOTrainer (the same estimator and clipped loss)
 PARTS = ("gen_s", "logprob_s", "update_s", "other_s")
 COLUMNS = ["system", "engine", "processes", "threads", "steps", "first_step_s", "step_s_median", "step_s_min",
            "step_s_max", *(f"{p}_median" for p in PARTS), "tokens_per_step", "tokens_per_s", "tps_over_trl",
