@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from distflow_lab.algos.registry import load_run_config
 from distflow_lab.cli import main
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.experiments.bench.matrix import DEFAULT_CELLS, Cell, run
@@ -26,7 +25,7 @@ def test_cells_parse_and_bad_names_are_refused_by_name(capsys):
 @pytest.mark.parametrize("name", DEFAULT_CELLS)
 def test_every_default_cell_is_a_config_the_lab_accepts(name):
     cell = Cell.parse(name)
-    cfg = load_run_config("smollm2-arith", cell.overrides(2))
+    cfg = cell.config("smollm2-arith", None, 2)
     assert (cfg.algorithm.name, cfg.rollout.engine) == (cell.algorithm, cell.engine)
     assert bool(cfg.groups) == (cell.schedule != "sync")
 

@@ -15,6 +15,7 @@ test checks it on a tiny notebook without Ray.
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -100,6 +101,8 @@ def test_notebook_committed_without_outputs(path: Path):
              if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
     assert not dirty, (f"{path.name}: code cells {dirty} have outputs or execution counts; clear them before "
                        "committing (jupyter nbconvert --clear-output --inplace)")
+    no_id = [i for i, c in enumerate(json.loads(path.read_text())["cells"]) if "id" not in c]
+    assert not no_id, f"{path.name}: cells {no_id} have no id (tests address cells by id; nbformat would invent one)"
 
 
 def test_quickstart_has_parameters_cell():

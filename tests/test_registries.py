@@ -18,13 +18,23 @@ from distflow_lab.algos.estimators import ESTIMATORS
 from distflow_lab.algos.policy_losses import POLICY_LOSSES
 from distflow_lab.algos.registry import ALGORITHMS, algorithm_names, load_run_config
 from distflow_lab.core.config import ConfigError
-from distflow_lab.core.registry import user_entries
+from distflow_lab.core.registry import _REGISTRIES, user_entries
 from distflow_lab.datasets.registry import DATASETS, dataset_names
 from distflow_lab.datasets.schema import read_rows
 
 from .notebook_cells import notebook_cells
 
 PACKAGE = Path(lab.__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def entries_leave_with_their_test():
+    """What a test registers is gone after it: later tests see the library's registries, and their
+    sessions ship no strays to the workers (the parity test counts every estimator)."""
+    saved = {kind: dict(r._entries) for kind, r in _REGISTRIES.items()}
+    yield
+    for kind, entries in saved.items():
+        _REGISTRIES[kind]._entries = entries
 
 
 class Noise(lab.Options):

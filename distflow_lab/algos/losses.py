@@ -8,7 +8,6 @@ Loss functions return a scalar tensor (differentiable) and plain-python-float me
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from distflow_lab.models.token_ops import (LOSS_AGG_MODES, aggregate_loss, entropy_from_logits,  # noqa: F401
                                            log_probs_from_logits, masked_mean)

@@ -11,7 +11,6 @@ newer dispatch does), and workers return only the columns a stage changed
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path

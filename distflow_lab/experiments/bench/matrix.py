@@ -87,9 +87,14 @@ class Cell:
         decl = algorithm(self.algorithm)
         if decl.critic:  # its DAG needs the old log-prob pass (registry.check_old_log_prob)
             out.append("actor.old_log_prob=recompute")
-        # each algorithm's own estimator (the preset's may be of a kind it does not run); its declared actor
-        # defaults (GSPO's aggregation, DAPO's clip) fill in by themselves
+        # each algorithm's own estimator (the preset's may be of a kind it does not run)
         return [*out, f"algorithm.adv_estimator={decl.estimator}"]
+
+    def config(self, preset: str, overrides: list[str] | None, workers: int):
+        """The cell's checked config: the preset, then the algorithm's paper defaults (GSPO's aggregation
+        over a token-mean preset), then the caller's overrides, then the cell's own."""
+        defaults = [f"actor.{k}={v}" for k, v in algorithm(self.algorithm).actor.items()]
+        return load_run_config(preset, [*defaults, *(overrides or []), *self.overrides(workers)])
 
 
 def run(preset: str = "smollm2-arith", cells: tuple[str, ...] = DEFAULT_CELLS, steps: int = 2,
@@ -101,7 +106,7 @@ def run(preset: str = "smollm2-arith", cells: tuple[str, ...] = DEFAULT_CELLS, s
     configs = {}
     for c in parsed:  # every cell's config checked up front: a refusal is a record, not a crash mid-run
         try:
-            configs[c] = load_run_config(preset, [*(overrides or []), *c.overrides(workers)])
+            configs[c] = c.config(preset, overrides, workers)
         except ConfigError as e:
             configs[c] = e
     connect()
