@@ -480,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     # The embedded cluster binds loopback only (must be set before Ray starts).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if os.getcwd() not in sys.path:  # a config's "module:name" resolves against the current folder, as `python -m` does
+        sys.path.insert(0, os.getcwd())
     args = list(sys.argv[1:] if argv is None else argv)
     try:  # `run` lets overrides and options mix: its own parser, which argparse supports that way
         a = (add_run_args(argparse.ArgumentParser(prog="distflow-lab run")).parse_intermixed_args(args[1:])

@@ -28,9 +28,9 @@ NOTEBOOK_02 = notebook_cells("02_build_your_own.ipynb", "cispo-loss", "opo-estim
 # code either way; GSPO's full fine-tuning learns in tests/test_rl_dapo_gspo.py)
 ALGORITHMS = {
     "grpo": ("tiny-cpu-grpo", []),
-    "dr_grpo": ("tiny-cpu-grpo", ["algorithm.adv_estimator=dr_grpo", "actor.loss_agg_mode=seq-mean-token-sum-norm"]),
-    "rloo": ("tiny-cpu-grpo", ["algorithm.adv_estimator=rloo"]),
-    "reinforce_plus_plus": ("tiny-cpu-grpo", ["algorithm.adv_estimator=reinforce_plus_plus"]),
+    "dr_grpo": ("tiny-cpu-grpo", ["algorithm.name=dr_grpo"]),  # declared over GRPO: its estimator and aggregation
+    "rloo": ("tiny-cpu-grpo", ["algorithm.name=rloo"]),
+    "reinforce_plus_plus": ("tiny-cpu-grpo", ["algorithm.name=reinforce_plus_plus"]),
     "ppo": ("tiny-cpu-ppo", []),
     "dapo": ("tiny-cpu-dapo", ["algorithm.options.max_rounds=2"]),
     "gspo_lora": ("tiny-cpu-gspo", ["actor.lora={rank: 4, alpha: 8}"]),

@@ -31,6 +31,7 @@ PACKAGE = Path(lab.__file__).parent
 def entries_leave_with_their_test():
     """What a test registers is gone after it: later tests see the library's registries, and their
     sessions ship no strays to the workers (the parity test counts every estimator)."""
+    algorithm_names(), dataset_names()  # the built-ins, registered on first use, are in what is kept
     saved = {kind: dict(r._entries) for kind, r in _REGISTRIES.items()}
     yield
     for kind, entries in saved.items():
@@ -120,3 +121,53 @@ def test_no_builtin_name_is_compared_as_a_string_outside_its_registration():
     found = [f"{p.relative_to(PACKAGE)}:{i}: {line.strip()}" for p in sorted(PACKAGE.rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if compared.search(line)]
     assert found == [], found
+
+
+PLUGIN = '''
+import distflow_lab as lab
+from pydantic import Field
+
+
+class Scale(lab.Options):
+    scale: float = Field(default=1.0, gt=0)
+
+
+@lab.register_estimator("scaled_grpo", options=Scale)
+def scaled(x):
+    raise NotImplementedError
+
+
+@lab.register_dataset("count_to")
+def count_to(x):
+    return [{"data_source": "distflow/arithmetic", "prompt": [{"role": "user", "content": f"{i}+0="}],
+             "ability": "arithmetic", "reward_model": {"style": "rule", "ground_truth": str(i)},
+             "extra_info": {"split": x.split, "index": i}} for i in range(7)]
+
+
+def plain(x):
+    raise NotImplementedError
+'''
+
+
+def test_a_config_names_an_entry_by_import_path(tmp_path, monkeypatch):
+    """Scripts and the CLI, where no notebook cell ran: "module:name" imports the module (its decorators
+    register) and names the entry whose object that is; an undecorated or missing one is a named error."""
+    (tmp_path / "distflow_plugin_probe.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_run_config("tiny-cpu-grpo", ["algorithm.adv_estimator=distflow_plugin_probe:scaled",
+                                            "algorithm.estimator_options.scale=2",
+                                            "data.train=distflow_plugin_probe:count_to"])
+    path = cfg.algorithm.adv_estimator
+    assert ESTIMATORS.get(path).obj is ESTIMATORS.get("scaled_grpo").obj
+    assert ESTIMATORS.options(path, cfg.algorithm.estimator_options).scale == 2.0
+    for override, message in [("actor.policy_loss=distflow_plugin_probe:plain",
+                               r"actor.policy_loss: 'distflow_plugin_probe:plain' is not a registered policy loss: "
+                               "decorate it with lab.register_policy_loss"),
+                              ("algorithm.adv_estimator=distflow_plugin_nope:x",
+                               r"algorithm.adv_estimator: cannot import module 'distflow_plugin_nope'")]:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config("tiny-cpu-grpo", [override])
+    cli = Path(sys.executable).parent / "distflow-lab"  # the console script: the current folder is not on its path
+    out = subprocess.run([str(cli), "data", "distflow_plugin_probe:count_to", "--out", "d"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "train.parquet: 7 rows" in out.stdout, out.stderr[-2000:]

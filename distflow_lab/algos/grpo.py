@@ -150,3 +150,11 @@ def actor_update(batch: Batch, ctx: StageContext) -> Batch:
 register_algorithm("grpo", dag=grpo_dag, estimator="grpo", estimator_kinds=("outcome", "token"),
                    policy_loss="ppo_clip")
 
+
+# GRPO's relatives: the same DAG and loss, another estimator (algos/estimators.py). Dr.GRPO (Liu et al., 2025,
+# arXiv:2503.20783) also drops the per-response length normalisation: a token sum over a constant, as verl's recipe.
+register_algorithm("dr_grpo", dag=grpo_dag, estimator="dr_grpo", estimator_kinds=("outcome",),
+                   policy_loss="ppo_clip", actor={"loss_agg_mode": "seq-mean-token-sum-norm"})
+register_algorithm("rloo", dag=grpo_dag, estimator="rloo", estimator_kinds=("outcome",), policy_loss="ppo_clip")
+register_algorithm("reinforce_plus_plus", dag=grpo_dag, estimator="reinforce_plus_plus",
+                   estimator_kinds=("outcome", "token"), policy_loss="ppo_clip")

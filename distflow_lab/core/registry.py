@@ -8,6 +8,9 @@ definition with typed options.
 - `options` is a pydantic model (`lab.Options`: unknown keys forbidden); `Registry.options(name, raw)`
   parses a config's dict into it, and a wrong or unknown key is a ConfigError naming the entry and the key.
 - `facts` are the entry's declared properties (an algorithm's estimators, a loss's needs, ...).
+- A config may also name an entry by import path, "package.module:name" (scripts and the CLI, where no
+  notebook cell ran): the module is imported, which registers its decorated definitions, and the path
+  becomes another name of the entry whose object is `module.name`.
 - An entry defined outside the library (a notebook cell, a script) travels to the workers by value:
   the session sends `user_entries()` with each worker's set-up, and the worker `install`s them before
   it resolves anything, so a name registered in a notebook means the same thing on every process.
@@ -16,8 +19,10 @@ The built-in entries register themselves the same way, where they are defined; n
 """
 from __future__ import annotations
 
+import importlib
+import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Callable, Generic, Mapping, TypeVar
 
@@ -27,6 +32,21 @@ from distflow_lab.core.errors import ConfigError
 
 T = TypeVar("T")
 LIBRARY = "distflow_lab."
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")  # "package.module:attribute"
+
+
+def import_object(path: str) -> Any:
+    """The object a "package.module:attribute" path names; a ConfigError says which part is missing."""
+    module_name, _, attr = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import module {module_name!r} for {path!r}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"module {module_name!r} has no attribute {attr!r} ({path!r})")
+        obj = getattr(obj, part)
+    return obj
 
 
 class Options(BaseModel):
@@ -93,7 +113,25 @@ class Registry(Generic[T]):
         self._entries[entry.name] = entry  # the same definition again (a notebook cell run twice): the newest
 
     def __contains__(self, name: object) -> bool:
+        if isinstance(name, str) and name not in self._entries and IMPORT_PATH.match(name):
+            try:
+                self._by_path(name)
+            except ConfigError:
+                return False
         return name in self._entries
+
+    def _by_path(self, path: str) -> Entry[T]:
+        """The entry whose object `path` ("module:name") names, registered under the path too."""
+        try:
+            obj = import_object(path)  # importing the module runs its registrations
+        except ConfigError as e:
+            raise ConfigError(f"{self.config_key}: {e}") from None
+        found = [e for e in self._entries.values() if e.obj is obj]
+        if not found:
+            raise ConfigError(f"{self.config_key}: {path!r} is not a registered {self.kind}: decorate it with "
+                              f"lab.register_{self.kind.replace(' ', '_')}")
+        self._entries[path] = replace(found[0], name=path)
+        return self._entries[path]
 
     def __iter__(self):
         return iter(self._entries)
@@ -102,6 +140,8 @@ class Registry(Generic[T]):
         return list(self._entries)
 
     def get(self, name: str) -> Entry[T]:
+        if name not in self._entries and isinstance(name, str) and IMPORT_PATH.match(name):
+            return self._by_path(name)
         if name not in self._entries:
             raise ConfigError(f"{self.config_key}: {name!r} is not a registered {self.kind}; registered: "
                               f"{self.names()} (add one with lab.register_{self.kind.replace(' ', '_')})")
@@ -109,20 +149,24 @@ class Registry(Generic[T]):
 
     def options(self, name: str, raw: Mapping[str, Any] | BaseModel | None, where: str = "") -> BaseModel:
         """The entry's typed options from a config's dict; errors name the entry and the key."""
-        cls = self.get(name).options
-        if isinstance(raw, cls):
-            return raw
-        try:
-            return cls(**dict(raw or {}))
-        except ValidationError as e:
-            err = e.errors()[0]
-            key = ".".join(map(str, err["loc"]))
-            what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            raise ConfigError(f"{where or self.config_key}: {self.kind} {name!r}: option {key!r}: {what} "
-                              f"(its options: {sorted(cls.model_fields) or 'none'})") from None
+        return typed_options(self.get(name).options, raw, f"{where or self.config_key}: {self.kind} {name!r}")
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}: {', '.join(self.names())})"
+
+
+def typed_options(cls: type[BaseModel], raw: Mapping[str, Any] | BaseModel | None, owner: str) -> BaseModel:
+    """`raw` parsed into `cls`; a wrong or unknown key is a ConfigError naming `owner` and the key."""
+    if isinstance(raw, cls):
+        return raw
+    try:
+        return cls(**dict(raw or {}))
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(map(str, err["loc"]))
+        what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        raise ConfigError(f"{owner}: option {key!r}: {what} (its options: {sorted(cls.model_fields) or 'none'})") \
+            from None
 
 
 def caller_module(depth: int = 2) -> str:

@@ -3,14 +3,14 @@ params, its timeout. Plus resolving "module:function" names and calling a
 stage function. Every validation error names the node and the key at fault."""
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from distflow_lab.core.config import Contract, DataSpec
-from distflow_lab.core.errors import DAGError
+from distflow_lab.core.errors import ConfigError, DAGError
+from distflow_lab.core.registry import import_object
 
 Role = Literal["actor", "rollout", "reference", "critic", "reward", "advantage", "data", "custom"]
 NodeType = Literal["data_load", "generate", "compute", "train"]
@@ -102,15 +102,10 @@ def make_node(_source: str | None = None, **fields: Any) -> Node:
 def resolve_function(fn: str | StageFn, node: str = "?") -> StageFn:
     if callable(fn):
         return fn
-    module_name, _, attr = fn.partition(":")
     try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise DAGError(f"node {node!r}: cannot import module {module_name!r} for function {fn!r}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise DAGError(f"node {node!r}: module {module_name!r} has no attribute {attr!r} (function {fn!r})")
-        obj = getattr(obj, part)
+        obj = import_object(fn)
+    except ConfigError as e:
+        raise DAGError(f"node {node!r}: {e}") from None
     if not callable(obj):
         raise DAGError(f"node {node!r}: {fn!r} is not callable")
     return obj

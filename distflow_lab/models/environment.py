@@ -24,9 +24,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from distflow_lab.core.errors import ConfigError, EnvError
+from distflow_lab.core.registry import typed_options
 
 
 class EnvOptions(BaseModel):
@@ -119,15 +120,7 @@ def env_label(env: str | type) -> str:
 
 def parse_options(env: str | type, options: Mapping[str, Any] | None) -> EnvOptions:
     """The environment's typed options; a wrong or unknown key names the environment and the key."""
-    cls = env_class(env)
-    try:
-        return cls.Options(**dict(options or {}))
-    except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(map(str, err["loc"]))
-        what = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-        raise ConfigError(f"environment {env_label(env)!r}: option {key!r}: {what} "
-                          f"(options: {sorted(cls.Options.model_fields)})") from None
+    return typed_options(env_class(env).Options, options, f"environment {env_label(env)!r}")
 
 
 def make_env(env: str | type, tokenizer: Any, options: Mapping[str, Any] | EnvOptions | None = None) -> Environment:

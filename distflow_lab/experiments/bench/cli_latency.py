@@ -80,7 +80,7 @@ BAD_INPUTS: tuple[BadInput, ...] = (
              "the class)", "a multi-turn run naming no registered environment"),
     BadInput("env-option", ("run", "tiny-cpu-calculator", "rollout.multi_turn.options={{max_call: 1}}", "--out",
                             "{dir}/o5"),
-             "rollout.multi_turn: environment 'calculator': option 'max_call': unknown key (options: ['latency', "
+             "rollout.multi_turn: environment 'calculator': option 'max_call': unknown key (its options: ['latency', "
              "'max_calls', 'seed'])", "an environment option it does not have"),
     BadInput("bench-workers", ("bench", "dataplane", "--workers", "3"),
              "--workers 3 cannot share --batch 64: its 16 prompts (batch / n) do not split over 3 data-parallel "
