@@ -30,6 +30,7 @@ def test_every_default_cell_is_a_config_the_lab_accepts(name):
     assert bool(cfg.groups) == (cell.schedule != "sync")
 
 
+@pytest.mark.full  # two real sessions; the default tier checks every default cell's config above
 def test_a_refused_cell_is_recorded_and_the_others_run(ray_cluster, grpo_model):
     records = run("tiny-cpu-grpo", ("grpo/sync/hf", "dapo/sync/hf"), steps=1,  # DAPO's clip-higher refuses high < low
                   overrides=["actor.clip_ratio_high=0.1", "data.prompts_per_step=4", "rollout.n=2"])

@@ -93,6 +93,7 @@ def _pids_of(s) -> list[int]:
     return out
 
 
+@pytest.mark.full  # the default tier keeps the property on the synthetic DAG (the test above); this is its RL twin
 @pytest.mark.budget(60, reason="two real GRPO sessions (FSDP2 over gloo): a cold and a pooled open")
 def test_an_rl_session_on_parked_workers_equals_one_on_new_workers(pool, grpo_model):
     import time
