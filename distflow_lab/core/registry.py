@@ -113,12 +113,11 @@ class Registry(Generic[T]):
         self._entries[entry.name] = entry  # the same definition again (a notebook cell run twice): the newest
 
     def __contains__(self, name: object) -> bool:
-        if isinstance(name, str) and name not in self._entries and IMPORT_PATH.match(name):
-            try:
-                self._by_path(name)
-            except ConfigError:
-                return False
-        return name in self._entries
+        try:
+            self.get(name)  # an import path resolves (and registers) here too
+        except ConfigError:
+            return False
+        return True
 
     def _by_path(self, path: str) -> Entry[T]:
         """The entry whose object `path` ("module:name") names, registered under the path too."""

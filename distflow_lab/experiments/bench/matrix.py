@@ -91,10 +91,9 @@ class Cell:
         return [*out, f"algorithm.adv_estimator={decl.estimator}"]
 
     def config(self, preset: str, overrides: list[str] | None, workers: int):
-        """The cell's checked config: the preset, then the algorithm's paper defaults (GSPO's aggregation
-        over a token-mean preset), then the caller's overrides, then the cell's own."""
-        defaults = [f"actor.{k}={v}" for k, v in algorithm(self.algorithm).actor.items()]
-        return load_run_config(preset, [*defaults, *(overrides or []), *self.overrides(workers)])
+        """The cell's checked config: the preset, the caller's overrides, then the cell's own (the
+        algorithm's declared defaults fill in what the preset leaves unset)."""
+        return load_run_config(preset, [*(overrides or []), *self.overrides(workers)])
 
 
 def run(preset: str = "smollm2-arith", cells: tuple[str, ...] = DEFAULT_CELLS, steps: int = 2,
