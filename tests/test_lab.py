@@ -98,6 +98,7 @@ def test_peek_returns_decoded_samples(ray_cluster, rl_base):
             s.peek("nope")
 
 
+@pytest.mark.budget(45, reason="README's main job end to end: a CLI process that imports torch and runs 3 GRPO steps")
 def test_cli_run_writes_everything(ray_cluster, rl_base, tmp_path):
     out = tmp_path / "run"
     res = subprocess.run([CLI, "run", "tiny-cpu-grpo", "--steps", "3", "--out", str(out), *rl_base,
