@@ -130,17 +130,21 @@ def check_peer(a: argparse.Namespace) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from distflow_lab.algos.registry import load_run_config
+    from distflow_lab.algos.registry import check_multi_turn, with_defaults
     from distflow_lab.api.run_dirs import run_dir
+    from distflow_lab.core.config import parse_run_config
+    from distflow_lab.datasets.registry import check_data, is_dataset
     from distflow_lab.datasets.schema import read_table, validate_table
 
     overrides = list(a.overrides) + ([f"mode={a.mode}"] if a.mode else [])
-    cfg = load_run_config(a.config, overrides)
+    # the checks that need no torch first, so their errors come in well under a second
+    cfg = parse_run_config(a.config, overrides)
     run_dir(cfg, a.out, a.overwrite, a.resume)  # refuse to replace a run before anything starts
-    from distflow_lab.datasets.registry import is_dataset
-
-    if not is_dataset(cfg.data.train):  # a given file: check it now, not after the imports
+    check_data(cfg.data)
+    if not is_dataset(cfg.data.train):  # a given file: read it now, not after the imports
         validate_table(read_table(cfg.data.train), cfg.data.train)
+    check_multi_turn(cfg)
+    cfg = with_defaults(cfg)  # the algorithm registry: its estimators and losses (torch)
     from distflow_lab.api.runner import train  # the heavy part: torch, Ray, transformers
 
     train(cfg, a.steps, a.out, overwrite=a.overwrite, resume=a.resume)

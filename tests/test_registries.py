@@ -88,7 +88,9 @@ def test_a_registration_is_one_decorated_definition_with_typed_options(tmp_path)
 
 def test_user_entries_reach_a_fresh_process_by_value():
     """What a worker does at set-up: install the driver's user entries, pickled as Ray pickles them,
-    into a process that never ran the notebook; the names then resolve there, built-ins intact."""
+    into a process that never ran the notebook; the names then resolve there, built-ins intact.
+    Checking a config there (a multi-turn preset) loads no engine: transformers, vLLM and peft load
+    where a stage runs, so a config error comes without their seconds of imports."""
     nb = notebook_cells("02_build_your_own.ipynb", "cispo-loss", "opo-estimator", OVERRIDES=[])
     sent = user_entries()
     assert {k: set(v) >= {"cispo"} if k != "estimator" else "opo" in v for k, v in sent.items()} and \
@@ -99,12 +101,16 @@ def test_user_entries_reach_a_fresh_process_by_value():
             "from distflow_lab.algos.registry import algorithm\n"
             "from distflow_lab.algos.estimators import ESTIMATORS\n"
             "from distflow_lab.algos.policy_losses import POLICY_LOSSES\n"
+            "from distflow_lab.algos.registry import load_run_config\n"
             "d = algorithm('cispo')\n"
-            "print(d.policy_loss, d.estimator, POLICY_LOSSES.get('cispo').origin, sorted(ESTIMATORS))\n")
+            "load_run_config('tiny-cpu-calculator')  # GRPO: imports every built-in algorithm's module\n"
+            "engines = sorted(m for m in ('transformers', 'vllm', 'peft') if m in sys.modules)\n"
+            "print(d.policy_loss, d.estimator, POLICY_LOSSES.get('cispo').origin, engines, sorted(ESTIMATORS))\n")
     out = subprocess.run([sys.executable, "-c", code], input=cloudpickle.dumps(sent), capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
-    loss, default, origin, estimators = out.stdout.decode().split(" ", 3)
+    loss, default, origin, engines, estimators = out.stdout.decode().split(" ", 4)
     assert (loss, default, origin) == ("cispo", "grpo", "notebook_02_build_your_own")
+    assert engines == "[]", f"checking a config loaded the engines {engines}: the CLI's errors wait seconds for them"
     assert {"opo", "grpo", "gae"} <= set(eval(estimators))
     assert nb.cispo_cfg.actor.policy_loss == "cispo"
 

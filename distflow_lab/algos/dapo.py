@@ -25,7 +25,6 @@ import torch
 from pydantic import Field
 
 from distflow_lab.algos.grpo import CONTRACTS, fit_kl
-from distflow_lab.algos.multiturn import env_scores, multi_turn_again
 from distflow_lab.algos.registry import algorithm_options, loss_agg_is, register_algorithm
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import ActorOptions, ConfigError, DataSpec, RunConfig
@@ -113,7 +112,7 @@ def score(batch: Batch, ctx: StageContext) -> Batch:
     """acc: the task reward of each response; scores: acc plus the overlong penalty (if on)."""
     cfg, e = ctx.config, ctx.engines
     if "env_reward" in batch:  # multi-turn: the environment scored each trajectory
-        acc = env_scores(batch)
+        acc = batch["env_reward"].float()
     else:
         texts = decode_responses(e.tokenizer, batch["responses"], batch["response_mask"])
         acc = torch.tensor([e.reward_fn(src, text, truth) for src, text, truth in
@@ -205,6 +204,8 @@ def regenerate(batch: Batch, ctx: StageContext, seed: int) -> Batch:
     heads = batch.select(np.sort(first))
     P = heads["input_ids"].shape[1] - heads["responses"].shape[1]  # left-padded prompt width
     if ctx.config.rollout.multi_turn is not None:  # trajectories with the environment again
+        from distflow_lab.algos.multiturn import multi_turn_again  # the engines, only where a stage runs (grpo.rollout)
+
         cols = multi_turn_again(heads, ctx, seed)
     else:
         cols = ctx.engines.rollout.generate(heads["input_ids"][:, :P], heads["attention_mask"][:, :P], seed=seed)

@@ -18,13 +18,10 @@ from __future__ import annotations
 import torch
 
 from distflow_lab.algos.actor_update import MODEL_INPUTS, mismatch, update_actor
-from distflow_lab.algos.engine_setup import sync_weights
 from distflow_lab.algos.estimators import outcome_to_token_rewards, run_estimator
 from distflow_lab.algos.losses import apply_kl_in_reward, loss_mask_key, masked_mean
-from distflow_lab.algos.multiturn import env_scores, multi_turn_rollout
 from distflow_lab.algos.prompt_rows import prompt_infos, response_objects
 from distflow_lab.algos.registry import algorithm, register_algorithm
-from distflow_lab.algos.streaming import partial_rollouts, stream_rollout
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import DataSpec, RunConfig
 from distflow_lab.datasets.loader import load_batch
@@ -78,6 +75,12 @@ CONTRACTS = {
 
 # ---- 1. rollout: n sampled responses per prompt ------------------------------------
 def rollout(batch: Batch, ctx: StageContext) -> Batch:
+    # imported here, not above: checking a config imports this module for its declaration, and must not
+    # load the engines (transformers, vLLM, peft: seconds); a worker running this stage has them already
+    from distflow_lab.algos.engine_setup import sync_weights
+    from distflow_lab.algos.multiturn import multi_turn_rollout
+    from distflow_lab.algos.streaming import partial_rollouts, stream_rollout
+
     cfg, e = ctx.config, ctx.engines
     sync_weights(ctx)  # the actor changed last step: push its weights (a span of its own)
     if cfg.rollout.multi_turn is not None:  # turns interleaved with an environment (multiturn.py; partial too)
@@ -99,7 +102,7 @@ def rollout(batch: Batch, ctx: StageContext) -> Batch:
 def reward(batch: Batch, ctx: StageContext) -> Batch:
     e = ctx.engines
     if "env_reward" in batch:  # multi-turn: the environment scored each trajectory
-        scores = env_scores(batch)
+        scores = batch["env_reward"].float()
         ctx.log(**{"reward/mean": scores.mean().item()})
         return batch.with_columns(scores=scores)
     texts = decode_responses(e.tokenizer, batch["responses"], batch["response_mask"])

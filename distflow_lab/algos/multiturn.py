@@ -132,5 +132,3 @@ def engine_of(ctx: StageContext) -> MultiTurnRollout:
     return e.multi_turn
 
 
-def env_scores(batch: Batch) -> torch.Tensor:
-    return batch["env_reward"].float()
