@@ -1,5 +1,6 @@
-"""lab.advise with verify=2 on the synthetic long-tail DAG (4 workers) and the HF engine (1 + 1):
+"""lab.advise with verify=2 on the synthetic long-tail DAG (4 workers) and the real engines (1 + 1):
     python benchmarks/probes/advise_verify.py synthetic,hf benchmarks/results/advise.json
+    python benchmarks/probes/advise_verify.py vllm benchmarks/results/advise_vllm.json
 """
 import json, sys, time
 import distflow_lab as lab
