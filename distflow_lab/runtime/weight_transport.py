@@ -47,6 +47,7 @@ from distflow_lab.runtime.shm_slots import MAX_READERS, ShmBucket, SlotReader, S
 
 Bucket = list[tuple[str, torch.Tensor]]
 FINGERPRINT_SAMPLES, FINGERPRINT_RUN = 4096, 64
+_FINGERPRINT_RUNS = FINGERPRINT_SAMPLES // FINGERPRINT_RUN
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  # numpy has no bfloat16: send the bits
 _RAMP = np.arange(1, FINGERPRINT_SAMPLES + 1, dtype=np.float64)
 
@@ -66,17 +67,14 @@ def fingerprint(t: torch.Tensor | np.ndarray) -> float:
         if t.device.type != "cpu":  # sample on the device, move only the samples
             n, flat = t.numel(), t.reshape(-1)
             if n > FINGERPRINT_SAMPLES:
-                step, first = _runs(n, FINGERPRINT_SAMPLES // FINGERPRINT_RUN)
-                flat = flat.as_strided((FINGERPRINT_SAMPLES // FINGERPRINT_RUN, FINGERPRINT_RUN), (step, 1),
-                                       flat.storage_offset() + first)
+                step, first = _runs(n, _FINGERPRINT_RUNS)
+                flat = flat.as_strided((_FINGERPRINT_RUNS, FINGERPRINT_RUN), (step, 1), flat.storage_offset() + first)
             return _dot(flat.reshape(-1).cpu().numpy(), n)
         t = t.numpy()
-    flat, n = t.reshape(-1), t.size
+    flat, n = np.ascontiguousarray(t).reshape(-1), t.size  # no copy when contiguous (every sync's arrays)
     if n > FINGERPRINT_SAMPLES:
-        step, first = _runs(n, FINGERPRINT_SAMPLES // FINGERPRINT_RUN)
-        if not flat.flags.c_contiguous:
-            flat = np.ascontiguousarray(flat)
-        flat = np.lib.stride_tricks.as_strided(flat[first:], (FINGERPRINT_SAMPLES // FINGERPRINT_RUN, FINGERPRINT_RUN),
+        step, first = _runs(n, _FINGERPRINT_RUNS)
+        flat = np.lib.stride_tricks.as_strided(flat[first:], (_FINGERPRINT_RUNS, FINGERPRINT_RUN),
                                                (step * flat.itemsize, flat.itemsize))
     return _dot(flat, n)
 
