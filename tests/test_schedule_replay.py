@@ -177,6 +177,8 @@ def test_advise_ranks_the_split_and_schedule_the_replay_predicts_best(tmp_path):
     assert a.best["tokens_per_s"] >= best["tokens_per_s"] and a.best["schedule"] != "sync"
     assert set(a.table["rollout_workers"]) == {1, 2, 3} and len(a.table) == 3 * 6
     assert a.table["staleness_mean"].max() <= 2
+    same = a.table[a.table["same_as"] != ""]  # async k=1 paces as one_step_off: ranked, never verified twice
+    assert set(same["same_as"]) >= {"one_step_off"} and "async k=1" in set(same["schedule"]), a
     with pytest.raises(ValueError, match="verify"):
         advise(run, recorded=(2, 2), verify=1, skip=0)
 
@@ -214,3 +216,17 @@ def test_training_cost_follows_whichever_tokens_fit_the_recording():
     assert _fit_train(b.assign(train_s=0.01 + 1e-4 * b["tokens"]), 0)[2] == "tokens"
     a, slope, feature = _fit_train(b.assign(train_s=2e-4 * b["padded"]), 0)
     assert feature == "padded" and slope == pytest.approx(2e-4) and a == pytest.approx(0, abs=1e-9)
+
+
+def test_repeated_real_runs_are_pooled_and_their_spread_reported():
+    """Two real runs of one schedule: the prediction is compared with both pooled (staleness shares
+    averaged), and the runs' own distance is the floor under the prediction's (tv_rerun)."""
+    from distflow_lab.experiments.schedule_replay import _pooled, _rerun
+
+    a = {"tokens_per_s": 100.0, "step_s": 1.0, "trainer_idle": 0.1, "dist": pd.Series({3: 0.25, 4: 0.75})}
+    b = {"tokens_per_s": 80.0, "step_s": 1.2, "trainer_idle": 0.3, "dist": pd.Series({2: 0.25, 3: 0.25, 4: 0.5})}
+    both = _pooled([a, b])
+    assert both["tokens_per_s"] == pytest.approx(90.0) and both["trainer_idle"] == pytest.approx(0.2)
+    assert both["dist"].to_dict() == pytest.approx({2: 0.125, 3: 0.25, 4: 0.625})
+    assert _rerun([a, b]) == pytest.approx({"tv_rerun": 0.25, "rerun_error": 0.25})
+    assert _pooled([a]) is a and _rerun([a]) == {}

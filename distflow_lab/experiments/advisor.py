@@ -94,7 +94,8 @@ class Advice:
         return fig
 
     def __repr__(self) -> str:
-        cols = ["rank", "schedule", "rollout_workers", "train_workers", "tokens_per_s", "staleness_mean", "step_s"]
+        cols = ["rank", "schedule", "rollout_workers", "train_workers", "tokens_per_s", "staleness_mean", "step_s",
+                "same_as"]
         out = f"advise: {len(self.table)} candidates, best first\n{self.table[cols].head(10).round(3).to_string(index=False)}"
         if self.verified is not None:
             out += (f"\nverified (real runs): regret {self.regret:.1%}\n"
@@ -116,7 +117,8 @@ def advise(source: Any, *, max_staleness: int = 2, budget: int | None = None,
     one_step_off and of async k=1 with partial rollouts measure the lanes' contention and the
     streaming engine's decode cost first (`schedule_replay.calibrate_lanes`). `verify=n` (a
     Session only) runs the top n for real on it (reopened: same seed) for as many updates as
-    the replay and reports them and the regret."""
+    the replay and reports them and the regret; a candidate the replay runs update for update as
+    an earlier one (`same_as`: async k=1 paces as one_step_off) is ranked but not run again."""
     rec = load_lanes(source, skip=skip, knobs=knobs)
     recorded = recorded or _recorded_split(source)
     if calibrate:
@@ -132,19 +134,36 @@ def advise(source: Any, *, max_staleness: int = 2, budget: int | None = None,
     for split in splits:
         r = replay_schedules(rescale(rec, split, recorded), candidate_schedules(max_staleness),
                              updates=updates, skip=skip)
+        runs = _same_runs(r.table)
         for row in r.summary.to_dict("records"):
             rows.append({"schedule": row["schedule"], "rollout_workers": split[0], "train_workers": split[1],
                          **{k: row[k] for k in ("tokens_per_s", "staleness_mean", "step_s", "trainer_idle",
-                                                "rollout_idle", "dropped_batches")}, "options": row["options"]})
+                                                "rollout_idle", "dropped_batches")},
+                         "same_as": runs.get(row["schedule"], ""), "options": row["options"]})
     table = pd.DataFrame(rows).sort_values(["tokens_per_s", "staleness_mean"], ascending=[False, True],
-                                           ignore_index=True)
+                                           ignore_index=True, kind="stable")
     table.insert(0, "rank", range(1, len(table) + 1))
     advice = Advice(table)
     if verify:
         if not hasattr(source, "reopen"):
             raise ValueError("advise(verify=...) runs candidates for real: pass the Session, not a run dir")
-        advice.verified = _verify(source, table.head(verify), recorded, updates or len(rec.batches), skip)
+        distinct = table[table["same_as"] == ""]
+        advice.verified = _verify(source, distinct.head(verify), recorded, updates or len(rec.batches), skip)
     return advice
+
+
+def _same_runs(table: pd.DataFrame) -> dict[str, str]:
+    """Schedule -> the first schedule whose replayed run is the same update for update (same batch,
+    staleness and times): e.g. async k=1 without partial rollouts paces exactly as one_step_off.
+    Verifying both would spend a real run on a question the replay cannot tell apart."""
+    seen, same = {}, {}
+    for name, t in table.groupby("schedule", sort=False):
+        key = tuple(t[["batch", "staleness", "wall_s", "end_s"]].round(9).itertuples(index=False, name=None))
+        if key in seen:
+            same[name] = seen[key]
+        else:
+            seen[key] = name
+    return same
 
 
 def _recorded_split(source: Any) -> tuple[int, int]:

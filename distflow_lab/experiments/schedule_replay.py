@@ -860,7 +860,8 @@ class ScheduleAccuracy:
 
     def __repr__(self) -> str:
         cols = ["schedule", "predicted_tokens_per_s", "real_tokens_per_s", "error", "tv", "predicted_staleness",
-                "real_staleness", "predicted_step_s", "real_step_s", "predicted_trainer_idle", "real_trainer_idle"]
+                "real_staleness", "predicted_step_s", "real_step_s", "predicted_trainer_idle", "real_trainer_idle",
+                *[c for c in ("tv_rerun", "rerun_error") if c in self.table]]
         return (f"schedule replay vs real runs: median |throughput error| {self.median_abs_error:.1%}, "
                 f"max TV {self.max_tv:.3f}\n{self.table[cols].round(3).to_string(index=False)}")
 
@@ -887,14 +888,18 @@ def measure(s: Any, options: dict, updates: int, skip: int, dag: Any = None) -> 
 
 def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:k=2", "async:k=2:partial"),
                              steps: int = 8, warmup: int = 2, dag=None, workers: int = 4, mode: str = "coordinator",
-                             session=None, knobs: Knobs | None = None, calibrate: int = 10) -> ScheduleAccuracy:
+                             session=None, knobs: Knobs | None = None, calibrate: int = 10,
+                             repeats: int = 1) -> ScheduleAccuracy:
     """Record `warmup + steps` sync updates on the synthetic long-tail DAG with worker groups
     (default: `bench.async_schedules.long_tail_dag`), replay `schedules`, run each for real
     on the same session (reopened: same seed, same batches), and compare over the `steps`
     updates after the warm-up: trained tokens/s, and the share of trained samples by staleness.
     `calibrate`: updates of one_step_off (and of async k=1 with partial rollouts, when a partial
     schedule is asked for) run first to measure the lanes' contention and the streaming engine's
-    decode cost (`calibrate_lanes`; 0: none)."""
+    decode cost (`calibrate_lanes`; 0: none). `repeats=2` runs every schedule twice (all of them,
+    then all again): the prediction is compared with the two runs pooled, and `tv_rerun` /
+    `rerun_error` say how far the two real runs of one schedule are from each other, the floor
+    under any prediction's error."""
     from distflow_lab.api.session import Session
     from distflow_lab.experiments.bench.async_schedules import long_tail_dag
 
@@ -910,24 +915,49 @@ def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:
         if calibrate:
             rec = calibrate_lanes(s, rec, calibrate, min(warmup, calibrate - 1), any(sp.partial for sp in specs))
         predicted = replay_schedules(rec, [parse_schedule("sync"), *specs], updates=updates, skip=warmup)
-        real = {spec.name: measure(s, spec.options, updates, warmup) for spec in specs}
+        runs = {spec.name: [] for spec in specs}
+        for _ in range(repeats):  # interleaved: a drift in the machine's speed spreads over every schedule
+            for spec in specs:
+                runs[spec.name].append(measure(s, spec.options, updates, warmup))
     finally:
         if own:
             s.close()
     rows = []
     p = predicted.summary.set_index("schedule")
     for spec in specs:
-        r, q = real[spec.name], p.loc[spec.name]
+        r, q = _pooled(runs[spec.name]), p.loc[spec.name]
         pd_dist = predicted.staleness_of(spec.name)
         rows.append({"schedule": spec.name, "predicted_tokens_per_s": q["tokens_per_s"],
                      "real_tokens_per_s": r["tokens_per_s"], "error": q["tokens_per_s"] / r["tokens_per_s"] - 1,
                      "tv": tv_distance(pd_dist, r["dist"]), "predicted_staleness": _dist_text(pd_dist),
                      "real_staleness": _dist_text(r["dist"]), "predicted_step_s": q["step_s"],
                      "real_step_s": r["step_s"], "predicted_trainer_idle": q["trainer_idle"],
-                     "real_trainer_idle": r["trainer_idle"]})
+                     "real_trainer_idle": r["trainer_idle"], **_rerun(runs[spec.name])})
     table = pd.DataFrame(rows)
     table["abs_error"] = table["error"].abs()
-    return ScheduleAccuracy(table, predicted, {k: v["metrics"] for k, v in real.items()})
+    real = {k: pd.concat([v["metrics"].assign(repeat=i) for i, v in enumerate(vs)], ignore_index=True)
+            for k, vs in runs.items()}
+    return ScheduleAccuracy(table, predicted, real)
+
+
+def _pooled(runs: list[dict]) -> dict:
+    """Repeated real runs of one schedule as one: mean tokens/s, step and idle; the staleness
+    shares averaged over the runs (each run's samples weigh the same)."""
+    if len(runs) == 1:
+        return runs[0]
+    dist = pd.concat([r["dist"] for r in runs], axis=1).fillna(0.0).mean(axis=1).sort_index()
+    return {k: float(np.mean([r[k] for r in runs])) for k in ("tokens_per_s", "step_s", "trainer_idle")} | {
+        "dist": dist}
+
+
+def _rerun(runs: list[dict]) -> dict:
+    """How far repeated real runs of one schedule are apart (the largest over pairs): TV between
+    their staleness shares, and relative throughput difference. Empty for one run."""
+    if len(runs) < 2:
+        return {}
+    pairs = [(a, b) for i, a in enumerate(runs) for b in runs[i + 1:]]
+    return {"tv_rerun": max(tv_distance(a["dist"], b["dist"]) for a, b in pairs),
+            "rerun_error": max(abs(a["tokens_per_s"] / b["tokens_per_s"] - 1) for a, b in pairs)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -947,6 +977,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=("synthetic", "hf", "vllm"), default="synthetic",
                    help="hf/vllm: the tiny-cpu-longtail preset, 1 rollout + 1 train worker (bench async's session)")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="for the real engines' preset")
+    p.add_argument("--repeats", type=int, default=1, help="real runs per schedule (2: the reruns' own spread)")
     p.add_argument("--json", dest="json_path")
     a = p.parse_args(argv)
     connect()
@@ -957,7 +988,7 @@ def main(argv: list[str] | None = None) -> int:
         session = real_session(a.engine, a.mode, 2, a.override)
     try:
         acc = schedule_replay_accuracy(a.schedules.split(","), steps=a.steps, warmup=a.warmup, mode=a.mode,
-                                       session=session)
+                                       session=session, repeats=a.repeats)
     finally:
         if session is not None:
             session.close()
