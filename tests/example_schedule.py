@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from distflow_lab.core.config import ScheduleFacts, register_schedule
-from distflow_lab.runtime.results import StepReport
+from distflow_lab.runtime.results import UpdateReport
 from distflow_lab.runtime.schedule import ScheduleSetup, runs
 from distflow_lab.runtime.schedule_sync import SyncSchedule
 
@@ -25,7 +25,7 @@ class DelayedSync:
     def __getattr__(self, name: str):  # position, current, step_stage, failed, take_ledger, state, discard
         return getattr(self.inner, name)
 
-    def step(self) -> StepReport:
+    def step(self) -> UpdateReport:
         waited = max(0.0, self.last_end + DELAY_S - self.now()) if self.last_end is not None else 0.0
         time.sleep(waited)
         report = self.inner.step()

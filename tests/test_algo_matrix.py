@@ -117,7 +117,7 @@ def test_every_schedule_and_plane(ray_cluster, small, algo):
                 syncs = s.weight_sync()  # may generate every batch at version 0: no pull)
                 sides = set(syncs["side"]) if schedule == "async" else {"publish", "pull"}
                 assert set(syncs["mode"]) == {"lora"} and set(syncs["side"]) == sides, (
-                    schedule, plane, syncs[["step", "side", "mode", "tensors"]].to_string())
+                    schedule, plane, syncs[["batch_id", "side", "mode", "tensors"]].to_string())
                 assert syncs["tensors"].max() == 2 * 7 * 2, syncs  # A and B of 7 linear layers x 2 blocks
         where = f"{algo} / {schedule} / {plane}"
         m = [r.metrics for r in reports]

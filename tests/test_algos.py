@@ -371,7 +371,7 @@ def test_aggregate_metrics_max_keys_take_the_max():
     from distflow_lab.runtime.results import StageResult, aggregate_metrics
 
     def result(worker, group_rank, rows, metrics, counts=None):
-        return StageResult(step=0, stage=0, stage_id="actor_update", worker=worker, dp_rank=worker,
+        return StageResult(batch_id=0, stage=0, stage_id="actor_update", worker=worker, dp_rank=worker,
                            group_rank=group_rank, items_in=rows, items_out=rows, tokens_out=0, bytes_in=0, bytes_out=0, route_in="cache",
                            cache_hit=True, metrics=metrics, counts=counts or {})
 

@@ -293,7 +293,7 @@ _NOTEBOOK_HEIGHT_JS = """() => {
 
 def _timeline_ok(p: dict) -> bool:
     title = (p["title"] or "").lower()
-    return (p["svg"] and p["bars"] > 0 and ("timeline" in title or "step" in title)
+    return (p["svg"] and p["bars"] > 0 and ("timeline" in title or "batch" in title)
             and any(t.endswith(":compute") for t in p["traces"]))
 
 

@@ -50,7 +50,7 @@ def test_every_cause_on_handmade_spans():
 def test_clock_skew_scales_and_a_missing_wall_uses_the_extent():
     both = pd.concat([_spans(0), _spans(1)], ignore_index=True)
     t = bubble_table(both, TYPES, {0: 3.5})  # wall shorter than the 7 s span extent: everything halves
-    s0, s1 = t[t.step == 0].set_index("worker"), t[t.step == 1].set_index("worker")
+    s0, s1 = t[t.batch_id == 0].set_index("worker"), t[t.batch_id == 1].set_index("worker")
     assert s0[list(COLUMNS)].sum(axis=1).tolist() == pytest.approx([3.5] * 3)
     assert s0.loc[1, "compute"] == pytest.approx(2.5) and s0.loc[0, "control"] == 0.0
     assert s1[list(COLUMNS)].sum(axis=1).tolist() == pytest.approx([7.0] * 3)  # step 1: no wall given
@@ -65,14 +65,14 @@ def test_real_session_parts_add_up_to_the_wall(ray_cluster):
             if mode != s.mode:
                 s.reopen(mode=mode)
             s.run(3, progress=False)
-            walls = s.metrics.set_index("step")["wall_s"]
+            walls = s.metrics.set_index("update")["wall_s"]
             b = bubbles(s.spans, {st.id: st.type for st in s.plan.stages}, walls)
             out[mode] = b
             t = b.table
             assert len(t) == 3 * 4 and isinstance(b, Bubbles)
             total = t[list(COLUMNS)].sum(axis=1)
             assert ((total - t["wall_s"]).abs() <= 0.01 * t["wall_s"]).all(), t
-            assert (t["wall_s"] == t["step"].map(walls)).all()
+            assert (t["wall_s"] == t["batch_id"].map(walls)).all()
             assert (t["compute"] > 0).all() and (t[list(CAUSES)] >= 0).all().all()
             table, fig = b
             assert {tr.name for tr in fig.data} >= {"compute", "data_plane"} and "w3" in repr(b)

@@ -216,11 +216,11 @@ def test_session_passes_the_controllers_own_through():
 
 def _frames():
     items = pd.DataFrame({
-        "step": [0, 0, 0, 0], "update": [0, 0, 0, 0], "stage": ["data", "reward", "data", "reward"],
+        "batch_id": [0, 0, 0, 0], "update": [0, 0, 0, 0], "stage": ["data", "reward", "data", "reward"],
         "stage_index": [0, 1, 0, 1], "worker": [0, 1, 0, 0], "dp_rank": [0, 1, 0, 0],
         "route_in": ["loader", "buffer", "loader", "cache"], "item_id": [7, 7, 8, 8], "tokens": [5, 9, 6, 10],
         "version": [-1, 0, -1, 0]})
-    spans = pd.DataFrame({"step": [0, 0], "stage": ["reward", "reward"], "worker": [1, 0],
+    spans = pd.DataFrame({"batch_id": [0, 0], "stage": ["reward", "reward"], "worker": [1, 0],
                           "phase": ["get", "cache_hit"], "bytes": [400, 0], "items": [2, 1]})
     return items, spans
 
@@ -232,7 +232,7 @@ def test_lineage_follows_one_item():
     out = lineage(items, spans, 7, {0: "node-aaaaaaaaaa", 1: "node-bbbbbbbbbb"})
     assert list(out["stage"]) == ["data", "reward"] and list(out["hop"]) == ["loader", "DataBuffer"]
     assert list(out["node"]) == ["node-aaa", "node-bbb"] and list(out["bytes"]) == [0, 200]
-    assert list(out.columns) == ["item_id", "step", "update", "stage", "worker", "node", "hop", "bytes", "tokens",
+    assert list(out.columns) == ["item_id", "batch_id", "update", "stage", "worker", "node", "hop", "bytes", "tokens",
                                  "version"]
     assert len(lineage(items, spans, {7, 8})) == 4
     with pytest.raises(KeyError, match="no recorded item 'p9'"):

@@ -189,7 +189,7 @@ def test_double_buffer_releases_each_step(ray_cluster, mode):
             actors = s.controller.plane.actors()
             stats = ray.get([a.stats.remote() for a in actors])
             ray.get([a.drain.remote() for a in actors])
-            assert all(st["open_steps"] == [] for st in stats)
+            assert all(st["open_batches"] == [] for st in stats)
             assert all(st["releases"] == 3 and st["double_buffer"] is enabled for st in stats)
     finally:
         s.close()
@@ -217,11 +217,11 @@ def test_a_failing_stage_names_stage_worker_and_step(ray_cluster):
     d = dag().replace("reward", fn=broken_reward)
     s = lab.session(d, world_size=W, buffer_wait_timeout_s=30)
     try:
-        with pytest.raises(StageError, match=r"stage 'reward' raised ValueError: reward model exploded \(worker [23], step 0\)") as e:
+        with pytest.raises(StageError, match=r"stage 'reward' raised ValueError: reward model exploded \(worker [23], batch 0\)") as e:
             s.step()
         assert "broken_reward" in e.value.remote_traceback
         # the session survives: the same step (same data) runs again — and fails the same way
-        with pytest.raises(StageError, match="step 0"):
+        with pytest.raises(StageError, match="batch 0"):
             s.step()
         assert s.cursor[0] == 0
     finally:
@@ -241,8 +241,8 @@ def test_a_stage_breaking_its_contract_is_named(ray_cluster):
         return reward(batch, ctx).select(slice(1, None))
 
     contract = {"outputs": ["scores"], "rows": "same"}
-    for fn, message in ((forgets_scores, r"stage 'reward' did not produce column\(s\) \['scores'\] \(worker \d, step 0\)"),
-                        (drops_a_row, r"stage 'reward' returned \d+ rows for \d+ input rows \(worker \d, step 0\)")):
+    for fn, message in ((forgets_scores, r"stage 'reward' did not produce column\(s\) \['scores'\] \(worker \d, batch 0\)"),
+                        (drops_a_row, r"stage 'reward' returned \d+ rows for \d+ input rows \(worker \d, batch 0\)")):
         d = dag().replace("reward", fn=fn, contract=contract)
         s = lab.session(d, world_size=W)
         try:
@@ -325,7 +325,7 @@ def test_ledger_rows_have_one_shape():
     from distflow_lab.dataplane.interface import LEDGER_COLUMNS, ledger_row
 
     row = ledger_row(3, "advantage->old_log_prob", items_in=32, items_dropped=32)
-    assert list(row) == ["step", "edge", *LEDGER_COLUMNS]
+    assert list(row) == ["batch_id", "edge", *LEDGER_COLUMNS]
     assert row["items_in"] == 32 and row["items_dropped"] == 32 and row["items_out"] == 0
     with pytest.raises(ValueError, match=r"unknown count\(s\) \['items_lost'\]"):
         ledger_row(3, "advantage->old_log_prob", items_lost=1)

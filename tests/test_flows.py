@@ -32,16 +32,16 @@ def test_split_over_producers_follows_the_items():
     # advantage (dp 2: workers 0, 2) -> old_log_prob (dp 4): worker 1 reads items 10, 11, 12 (two made on w0)
     spans = spans_to_frame([Span(0, "old_log_prob", 1, "n0", "get", 0.0, 1.0, bytes=300, items=3),
                             Span(0, "old_log_prob", 3, "n0", "get", 0.0, 1.0, bytes=100, items=1)])
-    items = pd.DataFrame({"step": 0, "stage": ["advantage"] * 4 + ["old_log_prob"] * 4,
+    items = pd.DataFrame({"batch_id": 0, "stage": ["advantage"] * 4 + ["old_log_prob"] * 4,
                           "worker": [0, 0, 2, 2, 1, 1, 1, 3], "dp_rank": [0, 0, 1, 1, 1, 1, 1, 3],
                           "route_in": ["cache"] * 4 + ["buffer"] * 4, "item_id": [10, 11, 12, 13, 10, 11, 12, 13]})
     f = byte_flows(spans, items, plan).set_index(["source", "target"])["bytes"]
     assert f.to_dict() == {("advantage w0", "old_log_prob w1"): 200.0, ("advantage w2", "old_log_prob w1"): 100.0,
                            ("advantage w2", "old_log_prob w3"): 100.0}
-    assert byte_flows(spans, items, plan, step=1).empty
+    assert byte_flows(spans, items, plan, batches=1).empty
     with pytest.raises(KeyError, match="edges"):
         byte_flows(spans, items, plan, edge="nope")
-    assert "no bytes moved" in sankey_figure(byte_flows(spans, items, plan, step=1)).layout.annotations[0].text
+    assert "no bytes moved" in sankey_figure(byte_flows(spans, items, plan, batches=1)).layout.annotations[0].text
 
 
 def test_sankey_sums_to_the_recorded_bytes_in_every_mode(ray_cluster):
@@ -71,8 +71,8 @@ def test_sankey_sums_to_the_recorded_bytes_in_every_mode(ray_cluster):
                 assert set(flows["hop"]) == {"DataBuffer" if mode == "distributed" else "coordinator"}
                 every = got
             assert sum(_links(s.sankey()).value) == pytest.approx(every)  # every edge
-            last = spans[spans.step == 1]
-            one = sum(_links(s.sankey(EDGE, step=1)).value)
+            last = spans[spans.batch_id == 1]
+            one = sum(_links(s.sankey(EDGE, batches=1)).value)
             expect = (_worker_bytes(last, "advantage", "collect") + _worker_bytes(last, "old_log_prob", "dispatch")
                       if mode == "centralized" else _worker_bytes(last, "old_log_prob", "get"))
             assert one == pytest.approx(expect) and 0 < one < sum(links.value)

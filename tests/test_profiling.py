@@ -28,18 +28,18 @@ def _check_trace(path) -> dict:
 
 
 def test_only_the_chosen_stages_and_steps_are_profiled(tmp_path):
-    spec = ProfileSpec(stages=["actor_update"], steps=[1], directory=str(tmp_path / "profiles"))
+    spec = ProfileSpec(stages=["actor_update"], batches=[1], directory=str(tmp_path / "profiles"))
     for rank in range(2):
         for step in range(3):
             for stage in ("rollout", "actor_update"):
                 with profile_stage(spec, step, stage, rank):
                     _work()
     files = sorted(p.relative_to(tmp_path / "profiles").as_posix() for p in (tmp_path / "profiles").rglob("*.json"))
-    assert files == ["step1/actor_update-rank0.json", "step1/actor_update-rank1.json"]
+    assert files == ["batch1/actor_update-rank0.json", "batch1/actor_update-rank1.json"]
     for rank in range(2):
-        trace = _check_trace(tmp_path / "profiles" / f"step1/actor_update-rank{rank}.json")
+        trace = _check_trace(tmp_path / "profiles" / f"batch1/actor_update-rank{rank}.json")
         assert trace["distributedInfo"] == {"rank": rank}  # what Holistic Trace Analysis reads
-        label = f"actor_update (step 1, rank {rank})"
+        label = f"actor_update (batch 1, rank {rank})"
         assert any(e.get("name") == label and e["ph"] == "X" for e in trace["traceEvents"])
 
 
@@ -50,7 +50,7 @@ def test_no_spec_or_empty_spec(tmp_path):
     assert spec.wants(7, "anything")
     with profile_stage(spec, 7, "anything", 3):
         _work()
-    _check_trace(tmp_path / "step7" / "anything-rank3.json")
+    _check_trace(tmp_path / "batch7" / "anything-rank3.json")
     assert ProfileSpec(directory="rel/dir").directory.startswith("/")  # made absolute where it is built
 
 
@@ -60,7 +60,7 @@ def test_a_failing_stage_still_writes_its_trace(tmp_path):
         with profile_stage(spec, 0, "x", 0):
             _work()
             raise RuntimeError("stage failed")
-    _check_trace(tmp_path / "step0" / "x-rank0.json")
+    _check_trace(tmp_path / "batch0" / "x-rank0.json")
 
 
 def test_profiles_from_a_ray_worker(ray_cluster, tmp_path):
@@ -75,4 +75,4 @@ def test_profiles_from_a_ray_worker(ray_cluster, tmp_path):
 
     assert ray_cluster.get([stage_on_worker.remote(spec, r) for r in range(2)], timeout=120) == [0, 1]
     for r in range(2):
-        _check_trace(tmp_path / "p" / "step4" / f"ref_log_prob-rank{r}.json")
+        _check_trace(tmp_path / "p" / "batch4" / f"ref_log_prob-rank{r}.json")

@@ -39,8 +39,8 @@ def test_worker_killed_mid_stage_is_named_and_the_session_resumes(ray_cluster, t
             expected = [straight.step().metrics for _ in range(3)][1:]
         finally:
             straight.close()
-        faults.inject(s, "worker", 1, step=1, stage="old_log_prob")
-        with pytest.raises(WorkerLost, match=r"worker 1 died during stage 'old_log_prob' of step 1"):
+        faults.inject(s, "worker", 1, batch_id=1, stage="old_log_prob")
+        with pytest.raises(WorkerLost, match=r"worker 1 died during stage 'old_log_prob' of batch 1"):
             s.step()
         with pytest.raises(RuntimeError, match="call resume"):
             s.step()
@@ -66,14 +66,14 @@ def test_cli_resume(ray_cluster, rl_base, tmp_path):
     again = subprocess.run([CLI, *args, "--resume", "--steps", "3"], capture_output=True, text=True, timeout=600,
                            env=attach)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "resumed from" in again.stdout and "step    2" in again.stdout and "step    1" not in again.stdout
+    assert "resumed from" in again.stdout and "update    2" in again.stdout and "update    1" not in again.stdout
     none = subprocess.run([CLI, "run", "tiny-cpu-grpo", "--out", str(tmp_path / "empty"), "--resume", *rl_base],
                           capture_output=True, text=True, timeout=600)
     assert none.returncode == 2 and "no complete checkpoint" in none.stderr and "Traceback" not in none.stderr
 
 
-PLANE_ACTORS = [("distributed", "buffer", BufferLost, r"DataBuffer died during step 1"),
-                ("coordinator", "coordinator", CoordinatorLost, r"coordinator died during step 1")]
+PLANE_ACTORS = [("distributed", "buffer", BufferLost, r"DataBuffer died during batch 1"),
+                ("coordinator", "coordinator", CoordinatorLost, r"coordinator died during batch 1")]
 
 
 @pytest.mark.parametrize("mode,target,error,message",
@@ -85,13 +85,13 @@ def test_plane_actor_killed_the_step_is_retried_and_every_item_accounted(ray_clu
         expected = [s.step().metrics for _ in range(3)]
         s.reopen()  # the same worker processes, from step 0, with a fresh data plane
         s.step()
-        faults.inject(s, target, 0, step=1, stage="old_log_prob", by_worker=0)
+        faults.inject(s, target, 0, batch_id=1, stage="old_log_prob", by_worker=0)
         got = [s.step().metrics, s.step().metrics]
-        assert [r["step"] for r in s.retries] == [1]
+        assert [r["batch_id"] for r in s.retries] == [1]
         assert got == expected[1:]  # same data: nothing skipped, nothing duplicated
         ledger = s.ledger()
         done = ledger[~ledger["edge"].str.contains("aborted")]
-        assert list(done["step"]) == [0, 1, 2]
+        assert list(done["batch_id"]) == [0, 1, 2]
         assert (done["items_reported"] == 32).all() and (done["items_in"] == 32).all() and (done["items_out"] == 32).all()
         rows = [s.output("old_log_prob", worker=w) for w in range(4)]
         keys = [(u, tuple(r)) for b in rows for u, r in zip(b["uid"].tolist(), b["responses"][:, :8].tolist())]
@@ -109,14 +109,14 @@ def test_plane_actor_killed_twice_in_one_step_is_a_clear_error(ray_cluster, mode
     s = lab.session(synth(), world_size=4, mode=mode)
     try:
         first = s.step()
-        faults.inject(s, target, 0, step=1, stage="old_log_prob", by_worker=0)
-        faults.inject(s, target, 0, step=1, stage="old_log_prob", by_worker=1, skip=1)
+        faults.inject(s, target, 0, batch_id=1, stage="old_log_prob", by_worker=0)
+        faults.inject(s, target, 0, batch_id=1, stage="old_log_prob", by_worker=1, skip=1)
         with pytest.raises(error, match=message):
             for _ in range(2):
                 s.step()
         assert s.cursor == (1, "data")  # the failed step is not counted
         again = s.step()  # the restarted actor serves the same step again
-        assert again.step == 1 and set(again.metrics) == set(first.metrics) and again.metrics
+        assert again.update == 1 and set(again.metrics) == set(first.metrics) and again.metrics
     finally:
         s.close()
 
@@ -173,7 +173,7 @@ def test_a_kernel_killed_mid_run_leaves_no_actors_and_rl_session_resume_continue
             print("alive", len(alive))
             s = lab.rl_session("tiny-cpu-grpo", {overrides!r}, progress=False, resume=True)
             rep = s.step()
-            print("step", rep.step, "reward/mean" in rep.metrics)
+            print("step", rep.update, "reward/mean" in rep.metrics)
         """
         out = run_python(check, timeout=300, env=env)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -222,7 +222,7 @@ def test_a_hung_stage_times_out_naming_the_late_workers(ray_cluster):
         for _ in range(5):  # the stages before it run as usual
             s.step_stage()
         t0 = time.monotonic()
-        with pytest.raises(StageTimeout, match=rf"stage 'ref_log_prob' of step 0 did not finish within {limit:.0f}s "
+        with pytest.raises(StageTimeout, match=rf"stage 'ref_log_prob' of batch 0 did not finish within {limit:.0f}s "
                                                r"on workers \[2\]"):
             s.step_stage()
         assert limit <= time.monotonic() - t0 < 2 * limit  # detected at its limit, not the cluster default

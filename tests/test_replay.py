@@ -19,9 +19,9 @@ def _recording() -> Recording:
     items, spans = [], []
     for step in range(2):
         for i, n in enumerate(LENGTHS):
-            items.append({"step": step, "stage": "gen", "stage_index": 0, "worker": i // 4, "dp_rank": i // 4,
+            items.append({"batch_id": step, "stage": "gen", "stage_index": 0, "worker": i // 4, "dp_rank": i // 4,
                           "route_in": "loader", "item_id": 100 + i, "tokens": n})
-            items.append({"step": step, "stage": "train", "stage_index": 1, "worker": i // 4, "dp_rank": i // 4,
+            items.append({"batch_id": step, "stage": "train", "stage_index": 1, "worker": i // 4, "dp_rank": i // 4,
                           "route_in": "buffer", "item_id": 100 + i, "tokens": n})
         t = 10.0 * step
         for w in range(2):
@@ -40,16 +40,16 @@ def test_replay_is_exact_on_a_handmade_recording():
     costs = fit_costs(rec.spans)
     assert costs.loc["gen", ["a_s", "b_s_per_token"]].tolist() == pytest.approx([0.01, 0.001])
     assert costs.loc["train", ["a_s", "b_s_per_token"]].tolist() == pytest.approx([0.0, 0.002], abs=1e-12)
-    tok = rank_tokens(rec, rec.items[rec.items.step == 0], "lpt", 2)
+    tok = rank_tokens(rec, rec.items[rec.items.batch_id == 0], "lpt", 2)
     assert sorted(tok["train"].tolist()) == [150, 150] and tok["gen"].tolist() == [120, 180]
     r = replay(rec, balance=["none", "lpt"], world_size=[2, 4])
-    t = r.table.set_index(["balance", "world_size", "step"])
+    t = r.table.set_index(["balance", "world_size", "batch_id"])
     assert t.loc[("none", 2, 0), "predicted_s"] == pytest.approx(0.6)  # recorded choice: the recorded wall
     # lpt: train 0.30 s instead of 0.36 s on the slowest rank; the rest (0.05 s) stays
     assert t.loc[("lpt", 2, 0), "predicted_s"] == pytest.approx(0.6 - 0.06)
     assert t.loc[("lpt", 2, 0), "compute_s"] == pytest.approx(0.19 + 0.30)
     # 4 workers: gen re-split contiguously (2 items a rank), train routed by lpt over 4 ranks
-    four = rank_tokens(rec, rec.items[rec.items.step == 0], "lpt", 4)
+    four = rank_tokens(rec, rec.items[rec.items.batch_id == 0], "lpt", 4)
     assert four["gen"].tolist() == [100, 20, 100, 80]
     assert max(four["train"]) == 100  # equal counts (2 a rank): 90 must share with a 10
     assert t.loc[("lpt", 4, 0), "compute_s"] == pytest.approx(0.01 + 0.001 * 100 + 0.002 * 100)
@@ -65,11 +65,14 @@ def test_replay_matches_real_runs(ray_cluster, tmp_path):
     rec = acc.recording
     same = replay(rec, balance="none")  # the recorded choice gives back the recorded walls
     assert np.allclose(same.table["predicted_s"], same.table["recorded_s"])
-    # a run directory (spans, metrics, items parquet) replays the same as the session did
-    rec.spans.assign(cache_hit=rec.spans["cache_hit"].astype("boolean")).to_parquet(tmp_path / "spans.parquet")
+    # a run directory (spans, metrics, items parquet) replays the same as the session did; this one is
+    # written as runs were before the batch/update rename (every table says "step"): still readable
+    old = {"batch_id": "step"}
+    spans = rec.spans.rename(columns=old)
+    spans.assign(cache_hit=spans["cache_hit"].astype("boolean")).to_parquet(tmp_path / "spans.parquet")
     rec.walls["distributed"].rename("wall_s").rename_axis("step").reset_index().to_parquet(tmp_path / "metrics.parquet")
-    rec.items.to_parquet(tmp_path / "items.parquet")
-    from_dir = replay(tmp_path, balance=["lpt", "kk"], recorded_balance="none", steps=sorted(set(t["step"])))
+    rec.items.rename(columns=old).to_parquet(tmp_path / "items.parquet")
+    from_dir = replay(tmp_path, balance=["lpt", "kk"], recorded_balance="none", steps=sorted(set(t["batch_id"])))
     assert np.allclose(from_dir.table["predicted_s"], acc.replayed.table["predicted_s"])
     # the model says balancing helps this long-tailed workload
     assert (t["predicted_s"] < t["recorded_s"]).mean() >= 0.5

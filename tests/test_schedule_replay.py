@@ -34,13 +34,13 @@ def _write_run(d, gen_s, train_s, gap_s=0.02, lengths=None, stale=False):
                               mode="coordinator"))
             for i in range(ROWS):
                 for stage, idx, worker in (("rollout", 1, w), ("train", 2, w + 2)):
-                    items.append({"step": t, "update": t, "stage": stage, "stage_index": idx, "worker": worker,
+                    items.append({"batch_id": t, "update": t, "stage": stage, "stage_index": idx, "worker": worker,
                                   "dp_rank": w, "route_in": "local", "item_id": 1000 * t + 100 * w + i,
                                   "tokens": P + length, "version": t})
-            items.append({"step": t, "update": t, "stage": "data", "stage_index": 0, "worker": w, "dp_rank": w,
+            items.append({"batch_id": t, "update": t, "stage": "data", "stage_index": 0, "worker": w, "dp_rank": w,
                           "route_in": "loader", "item_id": 10**6 + 10 * t + w, "tokens": 1, "version": -1})
         wall = g + tr + gap_s
-        metrics.append({"step": t, "wall_s": wall, "schedule/rollout_idle": 1 - g / wall,
+        metrics.append({"update": t, "wall_s": wall, "schedule/rollout_idle": 1 - g / wall,
                         "schedule/trainer_idle": 1 - tr / wall, "schedule/staleness": float(stale and t > 0)})
         t0 += wall
     sp = spans_to_frame(spans)

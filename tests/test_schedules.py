@@ -14,7 +14,7 @@ import distflow_lab as lab
 from distflow_lab.api.runner import load_run_config, train
 from distflow_lab.core.config import SCHEDULES, ScheduleOptions
 from distflow_lab.core.errors import ConfigError, PolicyNotPublished, SessionBroken, StaleBatches, WorkerLost
-from distflow_lab.dataplane.interface import EndOfStep
+from distflow_lab.dataplane.interface import EndOfBatch
 from distflow_lab.runtime import faults
 from distflow_lab.runtime.schedule import Dispatch, ScheduleSetup
 from distflow_lab.runtime.schedule_lanes import Lanes
@@ -119,7 +119,7 @@ def test_a_killed_rollout_worker_is_a_named_error_and_nothing_hangs(ray_cluster)
                     fresh_workers=True)  # it kills a process
     try:
         s.run(2, progress=False)
-        faults.inject(s, "worker", 1, step=4, stage="rollout")
+        faults.inject(s, "worker", 1, batch_id=4, stage="rollout")
         t0 = time.monotonic()
         with pytest.raises(WorkerLost, match=r"worker 1 died"):
             s.run(6, progress=False)
@@ -200,13 +200,24 @@ class InstantWorkers:
         return Dispatch(call=self.call, gather=lambda refs, step, stage, limit, workers: refs,
                         wait=lambda refs, n, timeout: (list(refs), []), failed=lambda done: False,
                         now=time.monotonic, abort=lambda step, reason: self.aborted.append(step),
-                        end_step=lambda step: EndOfStep(0.0, []),
+                        end_batch=lambda batch_id: EndOfBatch(0.0, []),
                         timeout=lambda st: (timeouts or {}).get(st.id, 30.0))
 
 
 def lanes(workers: InstantWorkers, kind: str = "one_step_off", timeouts: dict[str, float] | None = None) -> Lanes:
     options = ScheduleOptions(kind=kind)
     return Lanes(ScheduleSetup(dag().plan(4), "coordinator", options, workers.dispatch(timeouts), None, 0))
+
+
+def test_a_checkpoint_from_before_the_batch_update_rename_still_loads():
+    """Lanes' state once named the in-flight batch "batch"; now "batch_id". An old checkpoint's
+    batch in flight is still generated again first, at the version it came from."""
+    old = {"next_batch": 3, "dropped_batches": 0, "keep_versions": [2],
+           "in_flight": [{"batch": 3, "version": 2, "version_min": 2, "how": "replayed"}]}
+    setup = ScheduleSetup(dag().plan(4), "coordinator", ScheduleOptions(kind="one_step_off"),
+                          InstantWorkers(bump=True).dispatch(), None, 3, old)
+    ln = Lanes(setup)
+    assert ln.replay == {3: 2} and ln.next_batch == 3
 
 
 def test_a_segment_deadline_is_the_sum_of_its_stage_timeouts():
@@ -223,7 +234,7 @@ def test_a_segment_deadline_is_the_sum_of_its_stage_timeouts():
 def test_lanes_count_one_update_per_step_when_the_policy_advances():
     ln = lanes(InstantWorkers(bump=True))
     reports = [ln.step() for _ in range(4)]
-    assert [r.step for r in reports] == [0, 1, 2, 3]
+    assert [r.update for r in reports] == [0, 1, 2, 3]
     assert [r.metrics["schedule/policy_version"] for r in reports] == [1, 2, 3, 4]
     assert all(r.metrics["schedule/staleness"] <= 1 for r in reports)
 
@@ -246,7 +257,7 @@ def test_lanes_bound_the_batches_dropped_in_a_row():
         for _ in range(10):
             ln.step()
     assert ln.updates == 2
-    assert [r["step"] for r in ln.take_ledger()] == [2, 3, 4]  # every dropped batch is in the ledger
+    assert [r["batch_id"] for r in ln.take_ledger()] == [2, 3, 4]  # every dropped batch is in the ledger
 
 
 @pytest.mark.timeout(180)

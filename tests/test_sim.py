@@ -114,7 +114,7 @@ def fake_spans(mode: str, steps: int = 3, noise: float = 0.03, seed: int = 0) ->
     rows, now = [], 0.0
 
     def add(step, stage, worker, phase, sec, nbytes=0):
-        rows.append(dict(step=step, stage=stage, worker=worker, node="n0" if worker == DRIVER else nodes[worker],
+        rows.append(dict(batch_id=step, stage=stage, worker=worker, node="n0" if worker == DRIVER else nodes[worker],
                          phase=phase, start=now, end=now + sec, bytes=int(nbytes), items=0, tokens=0,
                          cache_hit=None, mode=mode))
         return sec

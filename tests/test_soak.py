@@ -70,10 +70,10 @@ def test_one_step_off_resume_replays_the_batches_in_flight_and_equals_the_undist
         state = json.loads((ckpt / "state.json").read_text())["schedule"]
         # the policy version, the batch generated ahead (from version 2) and that version's policy, kept
         assert state["policy_version"] == 3 and state["next_batch"] == 3
-        assert state["in_flight"] == [{"batch": 3, "version": 2, "version_min": 2, "how": "replayed"}]
+        assert state["in_flight"] == [{"batch_id": 3, "version": 2, "version_min": 2, "how": "replayed"}]
         assert (ckpt / "board" / "v000002.pt").is_file()
         s.step()
-        faults.inject(s, "worker", 1, step=4, stage="actor_update")  # the trainer dies in update 4
+        faults.inject(s, "worker", 1, batch_id=4, stage="actor_update")  # the trainer dies in update 4
         with pytest.raises(WorkerLost, match="worker 1 died"):
             s.step()
         assert s.resume() == 3
@@ -95,7 +95,7 @@ def test_a_checkpoint_write_killed_halfway_never_loads_and_resume_takes_the_newe
         s.step()
         s.save_checkpoint(root / "step000001")
         s.step()
-        faults.inject(s, "checkpoint", 1, step=2)  # worker 1 exits after its engines, before its loader state
+        faults.inject(s, "checkpoint", 1, batch_id=2)  # worker 1 exits after its engines, before its loader state
         with pytest.raises(WorkerLost, match="worker 1 died during stage 'save_checkpoint'"):
             s.save_checkpoint(root / "step000002")
         assert not (root / "step000002").exists()

@@ -80,7 +80,7 @@ def test_sampled_series_and_flows_from_items():
     spans = _handmade()
     samples = pd.DataFrame({"time": [0.5, 1.5], "name": ["ray plasma bytes"] * 2, "value": [10.0, 20.0]})
     # item 7 made on worker 1 (advantage) and consumed on worker 0 (old_log_prob): one hop, one arrow
-    items = pd.DataFrame({"step": [0, 0, 0, 0], "stage": ["advantage", "old_log_prob"] * 2,
+    items = pd.DataFrame({"batch_id": [0, 0, 0, 0], "stage": ["advantage", "old_log_prob"] * 2,
                           "stage_index": [3, 4, 3, 4], "worker": [1, 0, 0, 0], "dp_rank": [1, 0, 0, 0],
                           "route_in": ["cache", "buffer", "cache", "buffer"], "item_id": [7, 7, 8, 8],
                           "tokens": [10, 10, 5, 5]})

@@ -8,7 +8,7 @@ import pytest
 
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.observe import trackers
-from distflow_lab.runtime.results import StageReport, StageResult, StepReport
+from distflow_lab.runtime.results import StageReport, StageResult, UpdateReport
 
 STEPS = 3
 
@@ -23,7 +23,7 @@ def _offline(monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:" + str(tmp_path / "never-used"))  # the logger passes its own
 
 
-def _report(step: int) -> StepReport:
+def _report(step: int) -> UpdateReport:
     def result(stage: int, sid: str, worker: int, tokens: int, reward: float | None = None) -> StageResult:
         return StageResult(step, stage, sid, worker, worker, 0, 4, 4, tokens, 0, 0, "cache", True,
                            metrics={"reward/mean": reward} if reward is not None else {}, rpcs=2)
@@ -35,7 +35,7 @@ def _report(step: int) -> StepReport:
                     [result(1, "actor_update", w, 100 + step, reward=0.25 * step) for w in range(2)],
                     wall_seconds=0.25),
     ]
-    return StepReport(step, "distributed", stages, wall_seconds=2.0 + step, end_step_seconds=0.01, driver_rpcs=5)
+    return UpdateReport(step, "distributed", stages, wall_seconds=2.0 + step, end_batch_seconds=0.01, driver_rpcs=5)
 
 
 def test_step_metrics_derive_timing_and_throughput():

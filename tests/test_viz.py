@@ -142,7 +142,7 @@ def test_timeline_bar_geometry_matches_span(dist):
     np.testing.assert_allclose(np.asarray(tr.x, float), put["seconds"], atol=1e-9)
     assert list(tr.y) == [f"w{w}" for w in put["worker"]]
     assert tr.customdata[0][1] == "advantage" and abs(tr.customdata[0][4] - 2.0) < 1e-9  # stage, MiB
-    assert len([s for s in fig.layout.shapes if s.name == "step-boundary"]) == 2
+    assert len([s for s in fig.layout.shapes if s.name == "batch-boundary"]) == 2
 
 
 def test_timeline_driver_row_only_in_centralized(dist, cent):
@@ -153,8 +153,8 @@ def test_timeline_driver_row_only_in_centralized(dist, cent):
 
 
 def test_timeline_step_filter(dist):
-    fig = timeline(dist, steps=[1])
-    assert sum(len(t.x) for t in fig.data) == (dist.step == 1).sum()
+    fig = timeline(dist, batches=[1])
+    assert sum(len(t.x) for t in fig.data) == (dist.batch_id == 1).sum()
     assert min(min(t.base) for t in fig.data) == 0.0  # x restarts at the first shown span
     assert len(timeline(dist.iloc[:0]).data) == 0
 
@@ -257,7 +257,7 @@ def test_svg_reprs(plan):
 def _metrics(seed: int) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     n = 12
-    return pd.DataFrame({"step": range(n), "wall_s": 0.5 + rng.random(n), "reward/mean": rng.random(n),
+    return pd.DataFrame({"update": range(n), "wall_s": 0.5 + rng.random(n), "reward/mean": rng.random(n),
                          "actor/kl": rng.random(n) / 10, "tokens": 4096})
 
 
@@ -339,7 +339,7 @@ def test_seed_curves_draw_the_mean_and_the_seeds_range():
     from distflow_lab.observe.curves import seed_curves
 
     def run(offset: float) -> pd.DataFrame:
-        return pd.DataFrame({"step": range(4), "reward/mean": np.arange(4) * 0.1 + offset})
+        return pd.DataFrame({"update": range(4), "reward/mean": np.arange(4) * 0.1 + offset})
 
     fig = seed_curves({"none": [run(0.0), run(1.0)], "tis": [run(0.5)]}, ["reward/mean"])
     upper, lower, mean = fig.data[:3]

@@ -189,11 +189,11 @@ def train(cfg: RunConfig, steps: int | None = None, out: str | Path | None = Non
                 print(f"note: prompts longer than data.max_prompt_len={cfg.data.max_prompt_len} tokens were "
                       "truncated to their last tokens (metric rollout/prompts_truncated counts them per rank)")
             if echo:
-                print(f"step {rep.step:4d}  reward {m.get('reward/mean', float('nan')):.3f}  "
+                print(f"update {rep.update:4d}  reward {m.get('reward/mean', float('nan')):.3f}  "
                       f"resp_len {m.get('response_length/mean', float('nan')):.2f}  "
                       f"kl {m.get('actor/kl', float('nan')):.4f}  {rep.wall_seconds:.2f}s", flush=True)
-            if cfg.trainer.checkpoint_every and (rep.step + 1) % cfg.trainer.checkpoint_every == 0:
-                s.save_checkpoint(out / "checkpoints" / f"step{rep.step + 1:06d}")
+            if cfg.trainer.checkpoint_every and (rep.update + 1) % cfg.trainer.checkpoint_every == 0:
+                s.save_checkpoint(out / "checkpoints" / f"step{rep.update + 1:06d}")
         paths = write_outputs(s, out)
         if echo:
             print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -167,10 +167,10 @@ class Session:
     plan = _controller_value("plan", "The linearized plan: stages with their layouts, edges local or redistribute.")
     config = _controller_value("config", "The SessionConfig running now (the algorithm's config is `.algo`).")
     workers = _controller_value("workers", "The DAG worker actors, in rank order.")
-    spans = _controller_value("spans", "Every span so far: step, stage, worker (-1: the driver), node, phase, start, "
+    spans = _controller_value("spans", "Every span so far: batch_id, stage, worker (-1: the driver), node, phase, start, "
                                        "end, bytes, items, tokens, cache_hit.")
-    metrics = _controller_value("metrics", "One row per step: every metric the stages logged.")
-    history = _controller_value("history", "The latest StepReports (up to `history_steps`).")
+    metrics = _controller_value("metrics", "One row per update: every metric the stages logged (column `update`).")
+    history = _controller_value("history", "The latest UpdateReports (up to `history_steps`).")
     retries = _controller_value("retries", "Steps run again after a data-plane actor was lost.")
     bytes_to_driver = _controller_value("bytes_to_driver")
 
@@ -180,7 +180,7 @@ class Session:
         if steps < 1:
             raise ConfigError(f"steps must be at least 1, got {steps}")
         reports = self.controller.run(steps, progress=progress)
-        return pd.DataFrame([{"step": r.step, "wall_s": r.wall_seconds, **r.metrics} for r in reports])
+        return pd.DataFrame([{"update": r.update, "wall_s": r.wall_seconds, **r.metrics} for r in reports])
 
     def reopen(self, mode: str | None = None, dag: DAG | None = None, **options: Any) -> "Session":
         """Reconfigure with another mode, switches or DAG, on the same worker processes
@@ -213,9 +213,9 @@ class Session:
     # ---- what happened -----------------------------------------------------------------
     @property
     def cursor(self) -> tuple[int, str]:
-        """(step, next stage id)."""
+        """(updates done, next stage id)."""
         c = self.controller
-        return c.step_index, self.plan.stages[c.next_stage].id
+        return c.updates, self.plan.stages[c.next_stage].id
 
     def peek(self, stage: str, worker: int = 0, n: int = 4) -> pd.DataFrame:
         """A few samples of `stage`'s latest output on `worker`, decoded (prompt,
@@ -243,20 +243,21 @@ class Session:
         return df
 
     # ---- pictures --------------------------------------------------------------------------
-    def timeline(self, steps: list[int] | None = None, last: int = 2):
-        from distflow_lab.observe.timeline import last_steps, timeline
+    def timeline(self, batches: list[int] | None = None, last: int = 2):
+        """Spans of `batches` (default: the `last` ones) as a Gantt chart, one row per worker."""
+        from distflow_lab.observe.timeline import last_batches, timeline
 
         spans = self.spans
-        steps = last_steps(spans, last) if steps is None else steps
-        return timeline(spans, steps=steps, title=f"{self.mode}: steps {steps}")
+        batches = last_batches(spans, last) if batches is None else batches
+        return timeline(spans, batches=batches, title=f"{self.mode}: batches {batches}")
 
     def breakdown(self, skip: int = 0):
         """Paper Table 1, this session's mode beside any earlier one (reopen): a `Breakdown`
         that shows the figure and the table (`.figure`, `.table`; `fig, table = ...` works);
-        `skip` drops each mode's first steps (warm-up)."""
+        `skip` drops each mode's first batches (warm-up)."""
         from distflow_lab.observe.breakdown import breakdown
 
-        spans = {m: df[df["step"] >= df["step"].min() + skip] if len(df) else df
+        spans = {m: df[df["batch_id"] >= df["batch_id"].min() + skip] if len(df) else df
                  for m, df in {**self.previous, self.mode: self.spans}.items()}
         return breakdown(spans, [s.id for s in self.plan.stages])
 
@@ -283,14 +284,14 @@ class Session:
     def bubbles(self, skip: int = 0):
         """Idle time by cause per worker and step (compute, imbalance, rollout_tail, data_plane,
         control, weight_sync, staleness), summing to each step's wall: a `Bubbles` (.table,
-        .summary, .figure; `table, fig = s.bubbles()` unpacks). `skip`: warm-up steps left out."""
+        .summary, .figure; `table, fig = s.bubbles()` unpacks). `skip`: warm-up batches left out."""
         from distflow_lab.observe.bubbles import bubbles
 
         spans = self.spans
         if skip and len(spans):
-            spans = spans[spans["step"] >= spans["step"].min() + skip]
+            spans = spans[spans["batch_id"] >= spans["batch_id"].min() + skip]
         m = self.metrics
-        walls = m.set_index("step")["wall_s"] if len(m) and "wall_s" in m else None
+        walls = m.set_index("update")["wall_s"] if len(m) and "wall_s" in m else None
         return bubbles(spans, {st.id: st.type for st in self.plan.stages}, walls,
                        title=f"{self.mode}: idle time by cause (mean seconds per step)")
 
@@ -316,16 +317,16 @@ class Session:
                 except KeyError:
                     continue
 
-    def sankey(self, edge: str | None = None, step: int | list[int] | None = None):
+    def sankey(self, edge: str | None = None, batches: int | list[int] | None = None):
         """Bytes between workers on `edge` (a name like "advantage->old_log_prob"; None: every
-        edge) over `step` (None: every step): a Sankey, producers to consumers (the driver in
+        edge) over `batches` (None: every batch): a Sankey, producers to consumers (the driver in
         between in centralized mode). The numbers: `observe.flows.byte_flows`."""
         from distflow_lab.observe.flows import byte_flows, sankey_figure
 
-        flows = byte_flows(self.spans, self.items(), self.plan, edge, step)
-        steps = "every step" if step is None else f"step {step}"
+        flows = byte_flows(self.spans, self.items(), self.plan, edge, batches)
+        which = "every batch" if batches is None else f"batch {batches}"
         return sankey_figure(flows, [st.id for st in self.plan.stages],
-                             title=f"{self.mode}: bytes between workers, {edge or 'every edge'}, {steps} "
+                             title=f"{self.mode}: bytes between workers, {edge or 'every edge'}, {which} "
                                    f"({flows['bytes'].sum() / 2**20:.2f} MiB)")
 
     def staleness(self):
@@ -405,14 +406,14 @@ class Session:
 
     def __repr__(self) -> str:
         c = self.controller
-        return (f"Session({self.dag.name!r}, mode={self.mode}, workers={len(c.workers)}, step={c.step_index}, "
+        return (f"Session({self.dag.name!r}, mode={self.mode}, workers={len(c.workers)}, updates={c.updates}, "
                 f"next stage={self.cursor[1]!r}, switches={self.config.switches.model_dump(mode='json')})")
 
     def _repr_html_(self) -> str:
         last = self.metrics.tail(1).to_dict("records")
         shown = ", ".join(f"{k}={v:.4g}" for k, v in (last[0] if last else {}).items() if isinstance(v, float))
         return (f"<b>Session</b> {html.escape(self.dag.name)} · {self.mode} · "
-                f"{len(self.controller.workers)} workers · step {self.controller.step_index} · "
+                f"{len(self.controller.workers)} workers · update {self.controller.updates} · "
                 f"next stage <code>{html.escape(self.cursor[1])}</code><br><small>{html.escape(shown)}</small>"
                 + self.plan._repr_html_())
 

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 
 from distflow_lab.api.session import Session
 from distflow_lab.core.config import MODES, SWITCHES_BY_MODE, Balance
-from distflow_lab.observe.timeline import last_steps, timeline
+from distflow_lab.observe.timeline import last_batches, timeline
 
 
 class Stepper:
@@ -23,7 +23,7 @@ class Stepper:
         self.s, self.last_steps = session, last_steps
         sw = session.config.switches
         self.b_stage = W.Button(description="step stage", icon="step-forward", tooltip="run the next stage on every worker")
-        self.b_step = W.Button(description="step", icon="forward", tooltip="finish the current step")
+        self.b_step = W.Button(description="step", icon="forward", tooltip="finish the current update")
         self.b_run = W.Button(description="run N", icon="fast-forward")
         self.n = W.BoundedIntText(value=run_n, min=1, max=10_000, description="N", layout=W.Layout(width="130px"))
         self.mode = W.ToggleButtons(options=list(MODES), value=session.mode)
@@ -81,7 +81,7 @@ class Stepper:
     # ---- display ---------------------------------------------------------------------
     def _timeline(self) -> go.Figure:
         spans = self.s.spans
-        return timeline(spans, steps=last_steps(spans, self.last_steps), title=f"{self.s.mode}: latest steps")
+        return timeline(spans, batches=last_batches(spans, self.last_steps), title=f"{self.s.mode}: latest batches")
 
     def _refresh(self) -> None:
         new = self._timeline()
@@ -89,11 +89,11 @@ class Stepper:
             self.figure.data = []
             self.figure.add_traces(list(new.data))
             self.figure.layout = new.layout
-        step, stage = self.s.cursor
+        updates, stage = self.s.cursor
         metrics = self.s.metrics.tail(1).to_dict("records")
         shown = ", ".join(f"{k}={v:.4g}" for k, v in (metrics[0] if metrics else {}).items()
                           if isinstance(v, float) and k != "wall_s")
-        self.status.value = (f"<b>{html.escape(self.s.mode)}</b> · step {step} · next stage "
+        self.status.value = (f"<b>{html.escape(self.s.mode)}</b> · update {updates} · next stage "
                              f"<code>{html.escape(stage)}</code><br><small>{html.escape(shown)}</small>")
 
     def _ipython_display_(self) -> None:

@@ -1,4 +1,4 @@
-"""Errors a user sees. Each names what is at fault (stage, worker, step, node,
+"""Errors a user sees. Each names what is at fault (stage, worker, batch, node,
 file, key). Every user-facing failure of distflow_lab is one of these: raw Ray
 or torch exceptions are turned into them where they cross into the driver."""
 from __future__ import annotations
@@ -28,14 +28,14 @@ class DAGError(FriendlyError, ValueError):
 class StageError(FriendlyError, RuntimeError):
     """A stage function raised, returned the wrong thing, or its worker died."""
 
-    def __init__(self, message: str, *, step: int, stage: str, worker: int | None, remote_traceback: str = "") -> None:
+    def __init__(self, message: str, *, batch_id: int, stage: str, worker: int | None, remote_traceback: str = "") -> None:
         super().__init__(message + (f"\n\n--- traceback on the worker ---\n{remote_traceback}" if remote_traceback else ""))
-        self.step, self.stage, self.worker = step, stage, worker
+        self.batch_id, self.stage, self.worker = batch_id, stage, worker
         self.remote_traceback = remote_traceback
         self.summary = message
 
     def __reduce__(self):  # keyword-only fields: rebuild explicitly when crossing processes
-        return (_rebuild, (type(self), self.summary, self.step, self.stage, self.worker, self.remote_traceback))
+        return (_rebuild, (type(self), self.summary, self.batch_id, self.stage, self.worker, self.remote_traceback))
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self.summary}"]
@@ -48,8 +48,8 @@ class StageError(FriendlyError, RuntimeError):
                 "</details></div>")
 
 
-def _rebuild(cls, summary, step, stage, worker, tb):
-    return cls(summary, step=step, stage=stage, worker=worker, remote_traceback=tb)
+def _rebuild(cls, summary, batch_id, stage, worker, tb):
+    return cls(summary, batch_id=batch_id, stage=stage, worker=worker, remote_traceback=tb)
 
 
 class WorkerLost(StageError):
@@ -65,8 +65,8 @@ class StageContractError(StageError):
 
 
 class PlaneLost(StageError):
-    """A data-plane actor (a DataBuffer or the coordinator) died during a step.
-    The controller retries the step once when no training stage has run yet."""
+    """A data-plane actor (a DataBuffer or the coordinator) died during a batch.
+    The controller retries the batch once when no training stage has run yet."""
 
 
 class BufferLost(PlaneLost):
@@ -74,7 +74,7 @@ class BufferLost(PlaneLost):
 
 
 class CoordinatorLost(PlaneLost):
-    """The metadata coordinator actor died during a step."""
+    """The metadata coordinator actor died during a batch."""
 
 
 class WeightBoardLost(StageError):
@@ -86,7 +86,7 @@ class WeightSyncMismatch(StageError):
     """A weight sync delivered something other than what was published: a tensor whose
     fingerprint differs (damaged, zeroed, another version), or one that never reached the
     engine. Names the policy version and the tensor. The rollout keeps no mix of old and new
-    weights silently: the step fails, and resume() reloads a whole policy."""
+    weights silently: the batch fails, and resume() reloads a whole policy."""
 
 
 class WeightSyncTimeout(StageError):
@@ -107,7 +107,7 @@ class StaleBatches(StageError):
 
 
 class SessionBroken(FriendlyError, RuntimeError):
-    """The workers cannot run another step (some are dead or stuck) until `resume()`."""
+    """The workers cannot run another batch (some are dead or stuck) until `resume()`."""
 
 
 class PlacementError(FriendlyError, RuntimeError):

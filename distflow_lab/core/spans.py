@@ -1,6 +1,6 @@
 """Spans: what every worker (and the driver, in centralized mode) did, and when.
 
-A span is one phase of one stage on one worker: (step, stage, worker, node,
+A span is one phase of one stage on one worker: (batch, stage, worker, node,
 phase, start, end, bytes, items, tokens, cache_hit). Workers keep them in
 memory and ship them with each stage's metadata; the driver turns them into a
 pandas DataFrame or a Chrome/Perfetto trace. Times are unix seconds (start)
@@ -31,7 +31,7 @@ DRIVER = -1  # worker id of the driver's own spans
 
 @dataclass(slots=True)
 class Span:
-    step: int
+    batch_id: int
     stage: str
     worker: int
     node: str
@@ -60,10 +60,10 @@ class SpanRecorder:
         self._spans: list[Span] = []
 
     @contextmanager
-    def span(self, step: int, stage: str, phase: str, **counts) -> Iterator[Span]:
+    def span(self, batch_id: int, stage: str, phase: str, **counts) -> Iterator[Span]:
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; phases: {PHASES}")
-        s = Span(step, stage, self.worker, self.node, phase, time.time(), 0.0, mode=self.mode, **counts)
+        s = Span(batch_id, stage, self.worker, self.node, phase, time.time(), 0.0, mode=self.mode, **counts)
         t0 = time.perf_counter()
         try:
             yield s

@@ -3,7 +3,7 @@ metadata actor; `distributed`: a DataBuffer per node) share; each plane adds onl
 what its actors do.
 
 Driver half (`ActorPlane`): nothing runs on the driver and stage calls take no
-argument; a step ends, aborts and resets on every actor of the plane, and an actor
+argument; a batch ends, aborts and resets on every actor of the plane, and an actor
 that does not come back after a failure is a named `PlaneLost`.
 
 Worker half (`ActorPort`): an edge whose layout does not change stays in the
@@ -27,7 +27,7 @@ from distflow_lab.core.config import Balance
 from distflow_lab.core.errors import PlaneLost, StageError
 from distflow_lab.core.spans import Span, SpanRecorder
 from distflow_lab.dataplane.cache import LocalCache
-from distflow_lab.dataplane.interface import EndOfStep, Fetched, Routing, wait_alive
+from distflow_lab.dataplane.interface import EndOfBatch, Fetched, Routing, wait_alive
 
 if TYPE_CHECKING:
     from distflow_lab.graph.planner import Edge, Stage
@@ -47,7 +47,7 @@ class ActorPlane:
     def __init__(self) -> None:
         self.rpcs = 0
         self.wait_s = 60.0
-        self._starting: list = []  # the actors' first answers, awaited at the first step (see _started)
+        self._starting: list = []  # the actors' first answers, awaited at the first batch (see _started)
 
     def actors(self) -> list:
         raise NotImplementedError
@@ -69,46 +69,46 @@ class ActorPlane:
             raise self.lost(f"{self.actor_name(0)} did not start within 120 s ({type(e).__name__}): "
                             f"the data plane's actors could not be placed") from None
 
-    def begin_step(self, step: int) -> None:
+    def begin_batch(self, batch_id: int) -> None:
         pass
 
-    def run_on_driver(self, step: int, stage: "Stage") -> list[Span] | None:
+    def run_on_driver(self, batch_id: int, stage: "Stage") -> list[Span] | None:
         return None
 
-    def stage_args(self, step: int, stage: "Stage") -> list[Any]:
+    def stage_args(self, batch_id: int, stage: "Stage") -> list[Any]:
         return [None] * stage.workers
 
-    def stage_done(self, step: int, stage: "Stage", handoffs: list[Any]) -> list[Span]:
+    def stage_done(self, batch_id: int, stage: "Stage", handoffs: list[Any]) -> list[Span]:
         return []
 
-    def end_step(self, step: int) -> EndOfStep:
+    def end_batch(self, batch_id: int) -> EndOfBatch:
         t0, rows, actors = time.perf_counter(), [], self.actors()
         self.rpcs += len(actors)
-        for a, ref in [(a, a.end_step.remote(step)) for a in actors]:
+        for a, ref in [(a, a.end_batch.remote(batch_id)) for a in actors]:
             try:
                 rows.extend(ray.get(ref, timeout=self.wait_s)[1])
-            except RayError:  # restarted after this step's data was delivered: let it serve the next step
+            except RayError:  # restarted after this batch's data was delivered: let it serve the next batch
                 if wait_alive(a, self.wait_s):
-                    ray.get(a.reset_step.remote(step), timeout=self.wait_s)
-        return EndOfStep(time.perf_counter() - t0, rows)
+                    ray.get(a.reset_batch.remote(batch_id), timeout=self.wait_s)
+        return EndOfBatch(time.perf_counter() - t0, rows)
 
-    def abort(self, step: int, reason: str) -> None:
+    def abort(self, batch_id: int, reason: str) -> None:
         for a in self.actors():
-            a.abort.remote(step, reason)  # fire and forget: a dead actor has no waiters to free
+            a.abort.remote(batch_id, reason)  # fire and forget: a dead actor has no waiters to free
 
-    def reset_step(self, step: int) -> list[dict]:
+    def reset_batch(self, batch_id: int) -> list[dict]:
         """Forget the failed attempt in every actor (after the workers left it). Waits, bounded,
         for a restarting actor; raises `lost` if one does not come back."""
         rows: list[dict] = []
         for i, a in enumerate(self.actors()):
             if not wait_alive(a, self.wait_s):
-                raise self.lost(f"{self.actor_name(i)} did not come back within {self.wait_s:.0f}s after step {step} "
-                                "failed", step=step, stage="(reset)", worker=None)
+                raise self.lost(f"{self.actor_name(i)} did not come back within {self.wait_s:.0f}s after batch {batch_id} "
+                                "failed", batch_id=batch_id, stage="(reset)", worker=None)
             try:
-                rows.extend(ray.get(a.reset_step.remote(step), timeout=self.wait_s))
+                rows.extend(ray.get(a.reset_batch.remote(batch_id), timeout=self.wait_s))
             except RayError as e:
-                raise self.lost(f"{self.actor_name(i)} failed while resetting step {step}: {type(e).__name__}",
-                                step=step, stage="(reset)", worker=None) from None
+                raise self.lost(f"{self.actor_name(i)} failed while resetting batch {batch_id}: {type(e).__name__}",
+                                batch_id=batch_id, stage="(reset)", worker=None) from None
         return rows
 
     def save(self, directory: Path) -> None:
@@ -130,7 +130,7 @@ class ActorPlane:
 
 class ActorPort:
     """A subclass sets `route` (how a fetched input arrived), `who` (the actor, in errors),
-    `restarted` (the actor's error when it lost the step in a restart) and `lost`, and moves
+    `restarted` (the actor's error when it lost the batch in a restart) and `lost`, and moves
     the data: `_locate` (ask the actor for this consumer's (object ref, rows) list) and
     `_publish_remote`. `spec` has `local_cache` and `routing`."""
 
@@ -147,19 +147,19 @@ class ActorPort:
         self.call_timeout_s = getattr(spec, "wait_timeout_s", 120.0) + 60.0
 
     @contextmanager
-    def _guard(self, step: int, edge: "Edge", stage: "Stage"):
+    def _guard(self, batch_id: int, edge: "Edge", stage: "Stage"):
         try:
             yield
-        except RayError as e:  # died, restarting, restarted without the step's state, or failed the step
+        except RayError as e:  # died, restarting, restarted without the batch's state, or failed the batch
             cause = getattr(e, "cause", None)
             if isinstance(e, RayTaskError) and not isinstance(cause, self.restarted):
-                raise StageError(f"stage {stage.id!r} (worker {self.rank}, step {step}): {cause or e}", step=step,
+                raise StageError(f"stage {stage.id!r} (worker {self.rank}, batch {batch_id}): {cause or e}", batch_id=batch_id,
                                  stage=stage.id, worker=self.rank) from None
-            raise self.lost(f"{self.who} died during step {step} on edge {edge.name} (stage {stage.id!r}, "
-                            f"worker {self.rank}): {type(e).__name__}", step=step, stage=stage.id,
+            raise self.lost(f"{self.who} died during batch {batch_id} on edge {edge.name} (stage {stage.id!r}, "
+                            f"worker {self.rank}): {type(e).__name__}", batch_id=batch_id, stage=stage.id,
                             worker=self.rank) from None
 
-    def begin_step(self, step: int) -> None:
+    def begin_batch(self, batch_id: int) -> None:
         self.clear()
 
     def clear(self) -> None:
@@ -168,23 +168,23 @@ class ActorPort:
     def _local(self, edge: "Edge") -> bool:
         return edge.kind == "local" and self.spec.local_cache
 
-    def fetch(self, step: int, stage: "Stage", edge: "Edge | None", producer: "Stage | None", arg: Any) -> Fetched:
+    def fetch(self, batch_id: int, stage: "Stage", edge: "Edge | None", producer: "Stage | None", arg: Any) -> Fetched:
         if edge is None:
             return Fetched(Batch.empty(), "loader" if stage.type == "data_load" else "none")
         if self._local(edge):
-            with self.rec.span(step, stage.id, "cache_hit", cache_hit=True) as sp:
+            with self.rec.span(batch_id, stage.id, "cache_hit", cache_hit=True) as sp:
                 batch = self.cache.take(edge.name)
                 sp.items = len(batch)
             return Fetched(batch, "cache", True)
-        with self._guard(step, edge, stage), self.rec.span(step, stage.id, "wait"):
-            pieces = self._locate(step, stage, edge, producer)
-        with self._guard(step, edge, stage), self.rec.span(step, stage.id, "get", cache_hit=False) as sp:
+        with self._guard(batch_id, edge, stage), self.rec.span(batch_id, stage.id, "wait"):
+            pieces = self._locate(batch_id, stage, edge, producer)
+        with self._guard(batch_id, edge, stage), self.rec.span(batch_id, stage.id, "get", cache_hit=False) as sp:
             objs = ray.get([ref for ref, _ in pieces], timeout=self.call_timeout_s)
             batch = Batch.gather([(o, rows) for o, (_, rows) in zip(objs, pieces)])  # one copy per column
             sp.items, sp.bytes = len(batch), batch.nbytes
         return Fetched(batch, self.route, False)
 
-    def publish(self, step: int, stage: "Stage", edge: "Edge | None", consumer: "Stage | None", out: Batch,
+    def publish(self, batch_id: int, stage: "Stage", edge: "Edge | None", consumer: "Stage | None", out: Batch,
                 batch_in: Batch) -> None:
         if edge is None:
             return None
@@ -194,12 +194,12 @@ class ActorPort:
         if stage.group_rank(self.rank) != 0:  # only tensor-parallel rank 0 writes: no duplicates
             return None
         routing = self.spec.routing if edge.kind == "redistribute" else Routing(Balance.IDENTITY)
-        self._publish_remote(step, stage, edge, consumer, out, routing)
+        self._publish_remote(batch_id, stage, edge, consumer, out, routing)
         return None
 
-    def _locate(self, step: int, stage: "Stage", edge: "Edge", producer: "Stage") -> list[tuple[Any, Any]]:
+    def _locate(self, batch_id: int, stage: "Stage", edge: "Edge", producer: "Stage") -> list[tuple[Any, Any]]:
         raise NotImplementedError
 
-    def _publish_remote(self, step: int, stage: "Stage", edge: "Edge", consumer: "Stage", out: Batch,
+    def _publish_remote(self, batch_id: int, stage: "Stage", edge: "Edge", consumer: "Stage", out: Batch,
                         routing: Routing) -> None:
         raise NotImplementedError

@@ -3,7 +3,7 @@ one metadata-only actor per session balances and assigns; producers put their
 output once, locally; consumers pull their rows straight from the producers'
 objects; the local cache still serves edges whose layout does not change.
 
-Driver half: places the coordinator, ends steps, collects the ledger, resets a
+Driver half: places the coordinator, ends batches, collects the ledger, resets a
 failed attempt. Worker half (`CoordinatorPort`): `publish` (one `ray.put`, one
 metadata call) and `fetch` (one metadata call, then the object store).
 """
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from distflow_lab.graph.planner import Edge, Stage
 
 
-# ---- driver half (the step hooks: actor_plane.ActorPlane) ------------------------------------
+# ---- driver half (the batch hooks: actor_plane.ActorPlane) ------------------------------------
 
 
 class CoordinatorPlane(ActorPlane):
@@ -43,7 +43,7 @@ class CoordinatorPlane(ActorPlane):
         here = ray.get_runtime_context().get_node_id()  # the driver's node: metadata stays near the controller
         self.coordinator = Coordinator.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-            max_restarts=3,  # a killed coordinator comes back empty; the step is retried
+            max_restarts=3,  # a killed coordinator comes back empty; the batch is retried
         ).remote(setup.switches.double_buffer, setup.wait_timeout_s)
         self._started([self.coordinator.ping.remote()])
         return CoordinatorSpec(self.coordinator, setup.switches.local_cache, setup.routing,
@@ -92,21 +92,21 @@ class CoordinatorPort(ActorPort):
     def kill_actor(self, index: int) -> None:
         kill_and_wait(self.coord, "the coordinator")
 
-    def _locate(self, step: int, stage: "Stage", edge: "Edge", producer: "Stage") -> list[tuple[Any, Any]]:
-        meta = ray.get(self.coord.get_meta.remote(step, edge.name, stage.dp_rank(self.rank),
+    def _locate(self, batch_id: int, stage: "Stage", edge: "Edge", producer: "Stage") -> list[tuple[Any, Any]]:
+        meta = ray.get(self.coord.get_meta.remote(batch_id, edge.name, stage.dp_rank(self.rank),
                                                   stage.group_rank(self.rank) == 0), timeout=self.call_timeout_s)
         self.rpcs += 1
         self._check_published()
         return meta
 
-    def _publish_remote(self, step: int, stage: "Stage", edge: "Edge", consumer: "Stage", out: Batch,
+    def _publish_remote(self, batch_id: int, stage: "Stage", edge: "Edge", consumer: "Stage", out: Batch,
                         routing: Routing) -> None:
-        with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
+        with self._guard(batch_id, edge, stage), self.rec.span(batch_id, stage.id, "put", items=len(out)) as sp:
             k = self.spec.rows_per_object or max(1, len(out))
             refs = [ray.put(out.select(slice(i, i + k))) for i in range(0, len(out), k)]  # into this node's store
             sp.bytes = out.nbytes
             # not awaited: consumers wait for every producer anyway; its outcome is checked at the next fetch
-            self.published.append(self.coord.publish.remote(step, edge.name, stage.dp_rank(self.rank),
+            self.published.append(self.coord.publish.remote(batch_id, edge.name, stage.dp_rank(self.rank),
                                                             item_lengths(out), refs, k, stage.dp, consumer.dp,
                                                             routing, item_groups(out)))
             self.rpcs += len(refs) + 1  # the puts and the call

@@ -1,5 +1,5 @@
 """The metadata coordinator (the siiRL `DataCoordinator` / verl TransferQueue
-design): one Ray actor per session that holds, per (step, edge), each
+design): one Ray actor per session that holds, per (batch, edge), each
 producer's item lengths and the object reference of its output, balances the
 items over the consumers, and tells each consumer which rows of which
 producer object are its own. Payloads never pass through it:
@@ -16,7 +16,7 @@ producer object are its own. Payloads never pass through it:
    hold its rows: a consumer on another node pulls no row it does not use
    when objects hold one row each).
 
-Per step: producers + consumers calls to one actor, against the DataBuffers'
+Per batch: producers + consumers calls to one actor, against the DataBuffers'
 producers x buffers reports + producers plans + producers x nodes pieces +
 consumers fetches. Every item is counted in and out (`ledger`).
 """
@@ -33,15 +33,15 @@ import numpy as np
 import ray
 
 from distflow_lab.dataplane.routing import Routing, route
-from distflow_lab.dataplane.step_state import StepState
+from distflow_lab.dataplane.batch_state import BatchState
 
 
 class CoordinatorError(RuntimeError):
-    """A routing that cannot complete; names the step, edge and missing producers."""
+    """A routing that cannot complete; names the batch, edge and missing producers."""
 
 
 class CoordinatorRestarted(CoordinatorError):
-    """The coordinator was killed and restarted by Ray: the step in flight lost its metadata."""
+    """The coordinator was killed and restarted by Ray: the batch in flight lost its metadata."""
 
 
 @dataclass
@@ -58,7 +58,7 @@ class _Edge:
 class Coordinator:
     def __init__(self, double_buffer: bool = True, wait_timeout_s: float = 120.0) -> None:
         self.wait_timeout_s = wait_timeout_s
-        self.steps = StepState(double_buffer, _Edge, "the coordinator", "metadata", CoordinatorError,
+        self.batches = BatchState(double_buffer, _Edge, "the coordinator", "metadata", CoordinatorError,
                                CoordinatorRestarted)
         self.calls = 0  # metadata calls served (publish + get_meta), for the benchmarks
         self.meta_bytes = 0  # bytes of lengths and row indices in and out: metadata only, never a payload
@@ -67,19 +67,19 @@ class Coordinator:
         gc.freeze()  # short GC pauses on the event loop
 
     # ---- protocol -------------------------------------------------------------------
-    async def publish(self, step: int, edge: str, producer: int, lengths: np.ndarray, refs: list, chunk: int,
+    async def publish(self, batch_id: int, edge: str, producer: int, lengths: np.ndarray, refs: list, chunk: int,
                       n_producers: int, n_consumers: int, routing: Routing, groups: np.ndarray | None = None) -> None:
         """A producer's item lengths and the references of its output: object i holds its
         rows [i*chunk, (i+1)*chunk) (refs stay refs: Ray does not resolve refs nested in a list)."""
         self.calls += 1
         t0 = time.perf_counter()
-        e = self.steps.entry(step, edge)
+        e = self.batches.entry(batch_id, edge)
         if producer in e.lengths:
-            raise CoordinatorError(f"step {step} edge {edge}: producer {producer} published twice")
+            raise CoordinatorError(f"batch {batch_id} edge {edge}: producer {producer} published twice")
         e.lengths[producer], e.refs[producer], e.groups[producer] = np.asarray(lengths), list(refs), groups
         e.chunk[producer] = max(1, chunk)
         self.meta_bytes += e.lengths[producer].nbytes
-        c = self.steps.count(step, edge)
+        c = self.batches.count(batch_id, edge)
         c.items_reported += len(lengths)
         c.items_in += len(lengths)
         c.pieces_in += 1
@@ -90,49 +90,49 @@ class Coordinator:
             e.ready.set()
         self.busy_s += time.perf_counter() - t0
 
-    async def get_meta(self, step: int, edge: str, consumer: int, count_as_out: bool) -> list[tuple[Any, np.ndarray]]:
+    async def get_meta(self, batch_id: int, edge: str, consumer: int, count_as_out: bool) -> list[tuple[Any, np.ndarray]]:
         """(object ref, row indices in it) for every object holding rows of `consumer`, in
         producer then row order: reading them in this order gives its rows in global order."""
         self.calls += 1
-        e = self.steps.entry(step, edge)
+        e = self.batches.entry(batch_id, edge)
         try:
             await asyncio.wait_for(e.ready.wait(), self.wait_timeout_s)
         except asyncio.TimeoutError:
             raise CoordinatorError(f"coordinator: timed out after {self.wait_timeout_s:.0f}s waiting for producers "
-                                   f"on step {step} edge {edge} (have {sorted(e.lengths)})") from None
-        if step in self.steps.aborted:
-            raise CoordinatorError(f"step {step} was aborted while waiting on edge {edge}: {self.steps.aborted[step]}")
+                                   f"on batch {batch_id} edge {edge} (have {sorted(e.lengths)})") from None
+        if batch_id in self.batches.aborted:
+            raise CoordinatorError(f"batch {batch_id} was aborted while waiting on edge {edge}: {self.batches.aborted[batch_id]}")
         t0 = time.perf_counter()
         got = [piece for p in sorted(e.rows) for piece in _by_object(e.refs[p], e.chunk[p], e.rows[p][consumer])]
         self.meta_bytes += sum(rows.nbytes for _, rows in got)
         if count_as_out:
-            c = self.steps.count(step, edge)
+            c = self.batches.count(batch_id, edge)
             c.pieces_out += len(got)
             c.items_out += sum(len(rows) for _, rows in got)
         self.busy_s += time.perf_counter() - t0
         return got
 
-    # ---- step lifecycle ---------------------------------------------------------------
-    async def end_step(self, step: int) -> tuple[float, list[dict]]:
-        return self.steps.end(step)
+    # ---- batch lifecycle ---------------------------------------------------------------
+    async def end_batch(self, batch_id: int) -> tuple[float, list[dict]]:
+        return self.batches.end(batch_id)
 
-    async def reset_step(self, step: int) -> list[dict]:
-        return self.steps.reset(step)
+    async def reset_batch(self, batch_id: int) -> list[dict]:
+        return self.batches.reset(batch_id)
 
-    async def abort(self, step: int, reason: str) -> None:
-        for e in self.steps.abort(step, reason):
+    async def abort(self, batch_id: int, reason: str) -> None:
+        for e in self.batches.abort(batch_id, reason):
             e.ready.set()
 
     async def ledger(self) -> list[dict]:
-        return self.steps.ledger()
+        return self.batches.ledger()
 
     async def stats(self) -> dict:
-        store = self.steps.store
-        return {"open_steps": store.steps(), "releases": store.releases, "calls": self.calls,
+        store = self.batches.store
+        return {"open_batches": store.batches(), "releases": store.releases, "calls": self.calls,
                 "meta_bytes": self.meta_bytes, "busy_s": self.busy_s, "double_buffer": store.enabled}
 
     async def drain(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.steps.store.drain)
+        await asyncio.get_running_loop().run_in_executor(None, self.batches.store.drain)
 
     async def ping(self) -> str:
         return ray.get_runtime_context().get_node_id()

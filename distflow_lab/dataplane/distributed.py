@@ -1,9 +1,9 @@
 """The `distributed` data plane (DistFlow, paper §6): a local cache where the
 layout stays, one DataBuffer per node where it changes, constrained-LPT
 balancing by metadata, payloads straight from producer to consumer, a double
-buffer for each step's state.
+buffer for each batch's state.
 
-Driver half: places the buffers (node affinity), ends steps, collects the
+Driver half: places the buffers (node affinity), ends batches, collects the
 ledger, resets a failed attempt. Worker half (`BufferPort`): the protocol in
 buffer_actor.py, seen from a producer (`publish`) and a consumer (`fetch`).
 """
@@ -40,7 +40,7 @@ def place_buffers(worker_nodes: list[str], num_buffers: int | str, double_buffer
     buffer_nodes = [nodes[i % len(nodes)] for i in range(n)]
     buffers = [
         DataBuffer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                           max_restarts=3)  # a killed buffer comes back empty; the step is retried
+                           max_restarts=3)  # a killed buffer comes back empty; the batch is retried
         .remote(i, double_buffer, wait_timeout_s)
         for i, node in enumerate(buffer_nodes)
     ]
@@ -51,7 +51,7 @@ def place_buffers(worker_nodes: list[str], num_buffers: int | str, double_buffer
     return buffers, buffer_nodes, buffer_of_worker
 
 
-# ---- driver half (the step hooks: actor_plane.ActorPlane) ------------------------------------
+# ---- driver half (the batch hooks: actor_plane.ActorPlane) ------------------------------------
 
 
 class DistributedPlane(ActorPlane):
@@ -100,7 +100,7 @@ class BufferSpec:
 
 
 class BufferPort(ActorPort):
-    """A worker's side of the DataBuffer protocol (see buffer_actor.py for the steps)."""
+    """A worker's side of the DataBuffer protocol (see buffer_actor.py for the batches)."""
 
     route, who = "buffer", "a DataBuffer"
     restarted, lost = BufferRestarted, BufferLost
@@ -115,33 +115,33 @@ class BufferPort(ActorPort):
     def kill_actor(self, index: int) -> None:
         kill_and_wait(self.buffers[index], f"DataBuffer {index}")
 
-    def _locate(self, step: int, stage: "Stage", edge: "Edge", producer: "Stage") -> list[tuple[Any, Any]]:
+    def _locate(self, batch_id: int, stage: "Stage", edge: "Edge", producer: "Stage") -> list[tuple[Any, Any]]:
         pieces = ray.get(self._buffer_of(self.rank).get_pieces.remote(
-            step, edge.name, stage.dp_rank(self.rank), producer.dp, stage.group_rank(self.rank) == 0),
+            batch_id, edge.name, stage.dp_rank(self.rank), producer.dp, stage.group_rank(self.rank) == 0),
             timeout=self.call_timeout_s)
         self.rpcs += 1
         return pieces
 
-    def _publish_remote(self, step: int, stage: "Stage", edge: "Edge", consumer: "Stage", out: Batch,
+    def _publish_remote(self, batch_id: int, stage: "Stage", edge: "Edge", consumer: "Stage", out: Batch,
                         routing: Routing) -> None:
         me, mine = stage.dp_rank(self.rank), self._buffer_of(self.rank)
         nodes = self._consumers_by_buffer(consumer)
         if len(nodes) == 1:  # every consumer on one node: nothing to split by node, so no plan to wait for
             (b,) = nodes
-            with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
+            with self._guard(batch_id, edge, stage), self.rec.span(batch_id, stage.id, "put", items=len(out)) as sp:
                 sp.bytes = out.nbytes
-                ray.get(self.buffers[b].add_whole.remote(step, edge.name, me, item_lengths(out), stage.dp, consumer.dp,
+                ray.get(self.buffers[b].add_whole.remote(batch_id, edge.name, me, item_lengths(out), stage.dp, consumer.dp,
                                                          routing, [ray.put(out)], item_groups(out)),
                         timeout=self.call_timeout_s)
                 self.rpcs += 2  # the put and the call
             return
-        with self._guard(step, edge, stage), self.rec.span(step, stage.id, "plan", items=len(out)):
+        with self._guard(batch_id, edge, stage), self.rec.span(batch_id, stage.id, "plan", items=len(out)):
             lengths, groups = item_lengths(out), item_groups(out)
-            reports = [b.report.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, routing, False, groups)
+            reports = [b.report.remote(batch_id, edge.name, me, lengths, stage.dp, consumer.dp, routing, False, groups)
                        for b in self.buffers if b is not mine]  # awaited with the pieces below
-            pieces = ray.get(mine.report_and_plan.remote(step, edge.name, me, lengths, stage.dp, consumer.dp, routing,
+            pieces = ray.get(mine.report_and_plan.remote(batch_id, edge.name, me, lengths, stage.dp, consumer.dp, routing,
                                                          groups), timeout=self.call_timeout_s)
-        with self._guard(step, edge, stage), self.rec.span(step, stage.id, "put", items=len(out)) as sp:
+        with self._guard(batch_id, edge, stage), self.rec.span(batch_id, stage.id, "put", items=len(out)) as sp:
             acks = []
             for b, consumers in nodes.items():
                 rows = [pieces[c] for c in consumers]
@@ -149,7 +149,7 @@ class BufferPort(ActorPort):
                 piece = out.select(np.concatenate(rows))  # one gather, one put per destination node
                 sp.bytes += piece.nbytes
                 slices = {c: (int(bounds[i]), int(bounds[i + 1])) for i, c in enumerate(consumers)}
-                acks.append(self.buffers[b].add_piece.remote(step, edge.name, me, [ray.put(piece)], slices, stage.dp))
+                acks.append(self.buffers[b].add_piece.remote(batch_id, edge.name, me, [ray.put(piece)], slices, stage.dp))
             ray.get(acks + reports, timeout=self.call_timeout_s)
             self.rpcs += 1 + len(reports) + 2 * len(acks)  # plan, reports, and a put and a call per destination node
 

@@ -1,9 +1,9 @@
-"""Double buffer (paper §6.5): every step writes into its own store; at step end
+"""Double buffer (paper §6.5): every batch writes into its own store; at batch end
 the DataBuffer detaches that store in O(1) (a dict pop: the "pointer swap") and
-frees it in a background thread, so releasing the step's object references
+frees it in a background thread, so releasing the batch's object references
 (O(producers x consumers) of them per edge) is off the critical path. With the
 switch off, the release runs synchronously on the buffer's event loop (the
-ablation baseline): the next step's calls queue behind it.
+ablation baseline): the next batch's calls queue behind it.
 
 No `gc.collect()` here: the store holds no reference cycles, and a full
 collection in a process that has imported Ray costs ~0.1 s while holding the
@@ -27,20 +27,20 @@ class DoubleBuffer:
         self._freeing: list[threading.Thread] = []
         self.releases = 0
 
-    def store(self, step: int) -> dict[Any, Any]:
-        """The store of `step` (created on first use)."""
-        s = self._stores.get(step)
+    def store(self, batch_id: int) -> dict[Any, Any]:
+        """The store of `batch_id` (created on first use)."""
+        s = self._stores.get(batch_id)
         if s is None:
-            s = self._stores[step] = {}
+            s = self._stores[batch_id] = {}
         return s
 
-    def steps(self) -> list[int]:
+    def batches(self) -> list[int]:
         return sorted(self._stores)
 
-    def release(self, step: int) -> float:
-        """Detach the store of `step` and free it; return seconds spent on the caller's path."""
+    def release(self, batch_id: int) -> float:
+        """Detach the store of `batch_id` and free it; return seconds spent on the caller's path."""
         t0 = time.perf_counter()
-        old = self._stores.pop(step, None)
+        old = self._stores.pop(batch_id, None)
         self.releases += 1
         if old is not None:
             if self.enabled:

@@ -2,7 +2,7 @@
 
 A data plane has two halves. The driver half (`DataPlane`) lives in the
 controller: it places its actors, hands each worker its half, and takes part
-in the step's life cycle (begin, per-stage hooks, end, abort, reset). The
+in the batch's life cycle (begin, per-stage hooks, end, abort, reset). The
 worker half (`WorkerPort`) lives in every DAG worker: it fetches a stage's
 input and publishes its output.
 
@@ -11,7 +11,7 @@ input and publishes its output.
     plane.start(setup) -> spec  ---->  port = spec.bind(rank, recorder)
     args = plane.stage_args(...)  --->  batch = port.fetch(...); out = fn(batch)
     plane.stage_done(handoffs)  <----  handoff = port.publish(...)
-    plane.end_step(step)
+    plane.end_batch(batch)
 
 Three planes implement it: `centralized` (the driver moves every byte),
 `coordinator` (one metadata-only actor) and `distributed` (a DataBuffer per
@@ -46,8 +46,8 @@ class PlaneSetup:
     switches: Switches
     seed: int
     worker_nodes: list[str]  # full Ray node id of every worker rank
-    wait_timeout_s: float  # longest an actor waits for producers before failing the step
-    driver_context: Callable[..., Any] | None = None  # (step, stage, dp_rank, loader) -> a stage context
+    wait_timeout_s: float  # longest an actor waits for producers before failing the batch
+    driver_context: Callable[..., Any] | None = None  # (batch, stage, dp_rank, loader) -> a stage context
     routing: Routing = field(default_factory=Routing)
 
 
@@ -61,11 +61,11 @@ class Fetched:
 
 
 @dataclass
-class EndOfStep:
-    """What a data plane reports when a step ends."""
+class EndOfBatch:
+    """What a data plane reports when a batch ends."""
 
     seconds: float = 0.0  # on the critical path
-    ledger: list[dict] = field(default_factory=list)  # items in/out per (step, edge): `ledger_row`s
+    ledger: list[dict] = field(default_factory=list)  # items in/out per (batch, edge): `ledger_row`s
 
 
 class WorkerPort(Protocol):
@@ -73,11 +73,11 @@ class WorkerPort(Protocol):
 
     rpcs: int
 
-    def begin_step(self, step: int) -> None: ...
+    def begin_batch(self, batch_id: int) -> None: ...
 
-    def fetch(self, step: int, stage: "Stage", edge: "Edge | None", producer: "Stage | None", arg: Any) -> Fetched: ...
+    def fetch(self, batch_id: int, stage: "Stage", edge: "Edge | None", producer: "Stage | None", arg: Any) -> Fetched: ...
 
-    def publish(self, step: int, stage: "Stage", edge: "Edge | None", consumer: "Stage | None", out: Batch,
+    def publish(self, batch_id: int, stage: "Stage", edge: "Edge | None", consumer: "Stage | None", out: Batch,
                 batch_in: Batch) -> Any: ...
 
     def clear(self) -> None: ...
@@ -105,19 +105,19 @@ class DataPlane(Protocol):
 
     def ready(self) -> None: ...  # after the workers' setup: the plane's actors answer (they start meanwhile)
 
-    def begin_step(self, step: int) -> None: ...
+    def begin_batch(self, batch_id: int) -> None: ...
 
-    def run_on_driver(self, step: int, stage: "Stage") -> list[Span] | None: ...
+    def run_on_driver(self, batch_id: int, stage: "Stage") -> list[Span] | None: ...
 
-    def stage_args(self, step: int, stage: "Stage") -> list[Any]: ...  # one per worker of the stage
+    def stage_args(self, batch_id: int, stage: "Stage") -> list[Any]: ...  # one per worker of the stage
 
-    def stage_done(self, step: int, stage: "Stage", handoffs: list[Any]) -> list[Span]: ...  # stage.ranks order
+    def stage_done(self, batch_id: int, stage: "Stage", handoffs: list[Any]) -> list[Span]: ...  # stage.ranks order
 
-    def end_step(self, step: int) -> EndOfStep: ...
+    def end_batch(self, batch_id: int) -> EndOfBatch: ...
 
-    def abort(self, step: int, reason: str) -> None: ...
+    def abort(self, batch_id: int, reason: str) -> None: ...
 
-    def reset_step(self, step: int) -> list[dict]: ...
+    def reset_batch(self, batch_id: int) -> list[dict]: ...
 
     def actors(self) -> list: ...
 
@@ -143,7 +143,7 @@ def wait_alive(actor, timeout_s: float) -> bool:
 def kill_and_wait(actor: Any, what: str, timeout_s: float = 60.0) -> None:
     """Kill a restartable data-plane actor (a fault injection) and return once a restarted
     process answers: ray.kill is asynchronous, so without the wait the killer's next call
-    could still be served by the old process and the fault would miss the step."""
+    could still be served by the old process and the fault would miss the batch."""
     before = ray.get(actor.pid.remote(), timeout=timeout_s)
     ray.kill(actor, no_restart=False)
     deadline = time.monotonic() + timeout_s

@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from distflow_lab.api.runner import load_run_config, prepare
 from distflow_lab.api.session import Session
 from distflow_lab.algos.registry import build_dag
+from distflow_lab.core.run_columns import current_names
 from distflow_lab.runtime.cluster import connect
 
 OVERRIDES = ["groups={rollout: 1, train: 1}", "mode=coordinator", "rollout.log_probs=true", "actor.mini_batches=4"]
@@ -106,12 +107,12 @@ METRICS = {"reward/mean": "reward", "schedule/staleness": "staleness", "schedule
 def run_variant(s: Session, v: Variant, seed: int, steps: int, bar=None) -> pd.DataFrame:
     """`steps` training updates of one schedule on an open session (reopened with the
     schedule unless it is fresh and already on it); one row per update."""
-    if s.controller.step_index or s.config.schedule.kind != v.schedule or s.config.schedule.staleness != v.k:
+    if s.controller.updates or s.config.schedule.kind != v.schedule or s.config.schedule.staleness != v.k:
         s.reopen(**v.options)
     rows = []
     for _ in range(steps):
         rep = s.step()
-        rows.append({"step": rep.step, "wall_s": rep.wall_seconds,
+        rows.append({"update": rep.update, "wall_s": rep.wall_seconds,
                      **{short: rep.metrics.get(key, np.nan) for key, short in METRICS.items()},
                      **is_stats(s.output("actor_update", worker=s.plan.stages[-1].ranks[0]))})
         if bar is not None:
@@ -119,7 +120,7 @@ def run_variant(s: Session, v: Variant, seed: int, steps: int, bar=None) -> pd.D
     df = pd.DataFrame(rows)
     items = s.items()
     tokens = items[items["stage"] == "actor_update"].groupby("update")["tokens"].sum()
-    df["tokens"] = df["step"].map(tokens).astype(float)
+    df["tokens"] = df["update"].map(tokens).astype(float)
     df["tokens_per_s"] = df["tokens"] / df["wall_s"]
     return df.assign(variant=v.name, schedule=v.schedule, k=v.k, off_policy=v.off_policy, seed=seed)
 
@@ -174,7 +175,7 @@ def run(size: str = "ci", steps: int | None = None, seeds: tuple[int, ...] | Non
 def load(path: str | Path) -> pd.DataFrame:
     """A study written by `run(json_path=...)`; its meta in `.attrs["meta"]`."""
     data = json.loads(Path(path).read_text())
-    df = pd.DataFrame(data["rows"])
+    df = current_names(pd.DataFrame(data["rows"]), "metrics")  # one row per update ("step" in older studies)
     df.attrs["meta"] = data["meta"]
     return df
 
@@ -202,16 +203,16 @@ def per_run(df: pd.DataFrame, skip: int = SKIP, last: float = 0.25) -> pd.DataFr
     """One row per (variant, seed): throughput over the updates after `skip` (trained tokens
     / wall seconds), the mean reward of the last `last` share of updates, and means of the
     schedule and IS figures."""
-    steps = int(df["step"].max()) + 1
+    steps = int(df["update"].max()) + 1
     tail = max(1, int(round(steps * last)))
     rows = []
     for (variant, seed), g in df.groupby(["variant", "seed"], sort=False):
-        m = g[g["step"] >= skip]
+        m = g[g["update"] >= skip]
         rows.append({"variant": variant, "schedule": g["schedule"].iloc[0], "k": int(g["k"].iloc[0]),
                      "off_policy": g["off_policy"].iloc[0], "seed": seed,
                      "tokens_per_s": m["tokens"].sum() / m["wall_s"].sum(), "step_s": m["wall_s"].median(),
-                     "final_reward": g[g["step"] >= steps - tail]["reward"].mean(),
-                     "first_reward": g[g["step"] < tail]["reward"].mean(),
+                     "final_reward": g[g["update"] >= steps - tail]["reward"].mean(),
+                     "first_reward": g[g["update"] < tail]["reward"].mean(),
                      **{c: m[c].mean() for c in ("staleness", "trainer_idle", "rollout_idle", "clipfrac",
                                                  "is_ratio_mean", "is_ratio_std", "is_abs_log_ratio",
                                                  "is_outside_clip")},
@@ -246,11 +247,11 @@ def summary(df: pd.DataFrame, skip: int = SKIP, last: float = 0.25) -> pd.DataFr
 def curves(df: pd.DataFrame, column: str = "reward", window: int = 10) -> pd.DataFrame:
     """Per (variant, step): the mean over seeds of `column` (a trailing mean over `window`
     updates within each seed first) and its 95 % t-interval."""
-    smooth = (df.sort_values("step").groupby(["variant", "seed"], sort=False)[column]
+    smooth = (df.sort_values("update").groupby(["variant", "seed"], sort=False)[column]
               .transform(lambda x: x.rolling(window, min_periods=1).mean()))
     d = df.assign(value=smooth)
-    rows = [{"variant": v, "step": step, **dict(zip(("mean", "lo", "hi"), interval(g["value"])))}
-            for (v, step), g in d.groupby(["variant", "step"], sort=False)]
+    rows = [{"variant": v, "update": step, **dict(zip(("mean", "lo", "hi"), interval(g["value"])))}
+            for (v, step), g in d.groupby(["variant", "update"], sort=False)]
     return pd.DataFrame(rows)
 
 
@@ -264,12 +265,12 @@ def curve_figure(df: pd.DataFrame, column: str = "reward", window: int = 10, tit
     c = curves(df, column, window)
     fig = go.Figure()
     for i, v in enumerate(variants_shown or order(df)):
-        g = c[c["variant"] == v].sort_values("step")
+        g = c[c["variant"] == v].sort_values("update")
         color = series_color(i)
-        fig.add_trace(go.Scatter(x=np.r_[g["step"], g["step"][::-1]], y=np.r_[g["hi"], g["lo"][::-1]],
+        fig.add_trace(go.Scatter(x=np.r_[g["update"], g["update"][::-1]], y=np.r_[g["hi"], g["lo"][::-1]],
                                  fill="toself", fillcolor=_alpha(color, 0.15), line=dict(width=0), hoverinfo="skip",
                                  showlegend=False, legendgroup=v))
-        fig.add_trace(go.Scatter(x=g["step"], y=g["mean"], mode="lines", name=v, line=dict(color=color),
+        fig.add_trace(go.Scatter(x=g["update"], y=g["mean"], mode="lines", name=v, line=dict(color=color),
                                  legendgroup=v))
     seeds = df["seed"].nunique()
     fig.update_layout(template="plotly_white", height=420, xaxis_title="training update",

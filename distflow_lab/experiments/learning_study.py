@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from distflow_lab.api.runner import load_run_config, train
+from distflow_lab.core.run_columns import read_saved
 from distflow_lab.experiments.base_eval import evaluate
 
 KEYS = ("accuracy", "format_rate", "mean_response_tokens")
@@ -57,7 +58,7 @@ def summarize(out: Path) -> dict:
     if not runs:
         raise FileNotFoundError(f"{out}: no seed*/eval.json yet")
     after = {p.name: json.loads((p / "eval.json").read_text()) for p in runs}
-    curves = {p.name: pd.read_parquet(p / "metrics.parquet") for p in runs}
+    curves = {p.name: read_saved(p / "metrics.parquet", "metrics") for p in runs}
     summary = {
         "preset": base["preset"], "rows": base["rows"], "seeds": [p.name for p in runs],
         "steps": int(min(len(c) for c in curves.values())),

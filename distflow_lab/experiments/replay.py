@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 
 from distflow_lab.core.config import MODES, Balance
+from distflow_lab.core.run_columns import read_saved
 from distflow_lab.core.spans import DRIVER, NESTED_PHASES
 from distflow_lab.dataplane.routing import assign
 
@@ -48,7 +49,7 @@ from distflow_lab.dataplane.routing import assign
 class Recording:
     """What a replay needs from a run."""
 
-    items: pd.DataFrame  # step, stage, stage_index, worker, dp_rank, item_id, tokens (the recorded mode)
+    items: pd.DataFrame  # batch_id, stage, stage_index, worker, dp_rank, item_id, tokens (the recorded mode)
     spans: pd.DataFrame  # every recorded mode's spans (mode column)
     walls: dict[str, pd.Series]  # mode -> wall seconds per step
     mode: str  # the mode `items` were recorded in
@@ -64,7 +65,7 @@ class Recording:
 def _wall_series(metrics: pd.DataFrame) -> pd.Series:
     if metrics is None or not len(metrics) or "wall_s" not in metrics:
         return pd.Series(dtype=float)
-    return metrics.set_index("step")["wall_s"].astype(float)
+    return metrics.set_index("update")["wall_s"].astype(float)
 
 
 def _from_session(s: Any) -> Recording:
@@ -82,18 +83,18 @@ def _from_session(s: Any) -> Recording:
 
 
 def _from_dir(d: Path, balance: str | None) -> Recording:
-    spans = pd.read_parquet(d / "spans.parquet")
-    metrics = pd.read_parquet(d / "metrics.parquet") if (d / "metrics.parquet").exists() else None
+    spans = read_saved(d / "spans.parquet", "spans")
+    metrics = read_saved(d / "metrics.parquet", "metrics") if (d / "metrics.parquet").exists() else None
     if not (d / "items.parquet").exists():
         raise FileNotFoundError(f"{d} has no items.parquet (runs written before item lineage cannot be replayed)")
-    items = pd.read_parquet(d / "items.parquet")
+    items = read_saved(d / "items.parquet", "items")
     mode = str(spans["mode"].mode().iloc[0]) if len(spans) else "distributed"
     order = items.drop_duplicates("stage").sort_values("stage_index")["stage"].tolist()
     dp = items.groupby("stage")["dp_rank"].nunique().to_dict()
     redis = {b: a for a, b in zip(order, order[1:]) if dp.get(a) != dp.get(b)}  # a layout change routes
     world = int(spans.loc[spans["worker"] != DRIVER, "worker"].nunique())
     walls = {mode: _wall_series(metrics) if metrics is not None else
-             spans.groupby("step")["end"].max() - spans.groupby("step")["start"].min()}
+             spans.groupby("batch_id")["end"].max() - spans.groupby("batch_id")["start"].min()}
     return Recording(items, spans, walls, mode, world, order, dp, redis, Balance(balance or Balance.LPT).value)
 
 
@@ -115,7 +116,7 @@ def fit_costs(spans: pd.DataFrame) -> pd.DataFrame:
     the mean, when one would be negative). Columns: a_s, b_s_per_token, n, r2."""
     w = spans[(spans["worker"] != DRIVER) & spans["phase"].isin(["compute", *NESTED_PHASES])]
     rows = []
-    keys = ["mode", "step", "stage", "worker"]
+    keys = ["mode", "batch_id", "stage", "worker"]
     per = w.assign(sec=np.where(w["phase"] == "compute", w["seconds"], -w["seconds"]),
                    tok=np.where(w["phase"] == "compute", w["tokens"], 0)).groupby(keys)[["sec", "tok"]].sum()
     for stage, g in per.groupby(level="stage"):
@@ -211,11 +212,11 @@ def _rest_by_mode(rec: Recording, costs: pd.DataFrame) -> dict[str, pd.Series]:
     for mode, walls in rec.walls.items():
         sp = rec.spans[(rec.spans["mode"] == mode) & (rec.spans["worker"] != DRIVER) & (rec.spans["phase"] == "compute")]
         rest = {}
-        for step, g in sp.groupby("step"):
+        for step, g in sp.groupby("batch_id"):
             if step not in walls.index:
                 continue
             if mode == rec.mode:
-                tok = rank_tokens(rec, rec.items[rec.items["step"] == step], None, rec.world_size)
+                tok = rank_tokens(rec, rec.items[rec.items["batch_id"] == step], None, rec.world_size)
             else:  # from the spans: a rank's tokens = its first worker's compute tokens
                 tok = {}
                 for st, gs in g.groupby("stage"):
@@ -241,7 +242,7 @@ class Replay:
         keys = ["balance", "mode", "world_size"]
         g = self.table.groupby(keys, sort=False)
         out = g.agg(predicted_s=("predicted_s", "median"), compute_s=("compute_s", "median"),
-                    rest_s=("rest_s", "median"), recorded_s=("recorded_s", "median"), steps=("step", "nunique"))
+                    rest_s=("rest_s", "median"), recorded_s=("recorded_s", "median"), steps=("batch_id", "nunique"))
         out["vs_recorded"] = out["predicted_s"] / out["recorded_s"] - 1
         return out.reset_index()
 
@@ -292,9 +293,9 @@ def replay(source: Any, balance: str | Iterable[str] | None = None, mode: str | 
         raise ValueError("no recorded items to replay: run a step first")
     costs = fit_costs(rec.spans)
     rest = _rest_by_mode(rec, costs)
-    wanted = sorted(rec.items["step"].unique()) if steps is None else [int(s) for s in steps]
-    items_by_step = {s: g for s, g in rec.items.groupby("step")}
-    batch = int(rec.items[rec.items["stage"] == rec.stages[-1]].groupby("step").size().median())
+    wanted = sorted(rec.items["batch_id"].unique()) if steps is None else [int(s) for s in steps]
+    items_by_step = {s: g for s, g in rec.items.groupby("batch_id")}
+    batch = int(rec.items[rec.items["stage"] == rec.stages[-1]].groupby("batch_id").size().median())
     context = int(rec.items[rec.items["stage"] == rec.stages[-1]]["tokens"].max())
     rows = []
     for pol, m, k in itertools.product(_as_list(balance, rec.balance), _as_list(mode, rec.mode),
@@ -315,7 +316,7 @@ def replay(source: Any, balance: str | Iterable[str] | None = None, mode: str | 
             r = rest[source_mode]
             base = float(r[step]) if step in r.index else float(r.median())
             recorded = rec.walls.get(rec.mode, pd.Series(dtype=float)).get(step, np.nan)
-            rows.append({"balance": pol, "mode": m, "world_size": k, "step": int(step), "predicted_s": comp + base * scale,
+            rows.append({"balance": pol, "mode": m, "world_size": k, "batch_id": int(step), "predicted_s": comp + base * scale,
                          "compute_s": comp, "rest_s": base * scale, "recorded_s": float(recorded),
                          "rest_from": source_mode if scale == 1.0 else f"{source_mode} x sim {scale:.3g}"})
     return Replay(pd.DataFrame(rows), costs, {"mode": rec.mode, "balance": rec.balance, "world_size": rec.world_size})
@@ -376,15 +377,15 @@ def replay_accuracy(policies: Iterable[str] = ("lpt", "kk"), base: str = "none",
             s.reopen(mode=mode, dag=dag, balance=base)
         s.run(steps, progress=progress)
         rec = load_recording(s)
-        kept = [t for t in sorted(rec.items["step"].unique()) if t >= skip]
+        kept = [t for t in sorted(rec.items["batch_id"].unique()) if t >= skip]
         predicted = replay(rec, balance=list(policies), steps=kept)
         rows = []
         for pol in policies:
             s.reopen(mode=mode, dag=dag, balance=pol)
-            measured = s.run(steps, progress=progress).set_index("step")["wall_s"]
-            p = predicted.table[predicted.table["balance"] == Balance(pol).value].set_index("step")
+            measured = s.run(steps, progress=progress).set_index("update")["wall_s"]
+            p = predicted.table[predicted.table["balance"] == Balance(pol).value].set_index("batch_id")
             for t in kept:
-                rows.append({"balance": Balance(pol).value, "step": t, "recorded_s": float(p.at[t, "recorded_s"]),
+                rows.append({"balance": Balance(pol).value, "batch_id": t, "recorded_s": float(p.at[t, "recorded_s"]),
                              "predicted_s": float(p.at[t, "predicted_s"]), "measured_s": float(measured[t])})
     finally:
         if own:

@@ -72,6 +72,7 @@ from pydantic import ValidationError
 
 from distflow_lab.core.config import SCHEDULES, ScheduleOptions
 from distflow_lab.core.errors import ConfigError
+from distflow_lab.core.run_columns import read_saved
 from distflow_lab.core.spans import DRIVER, NESTED_PHASES
 
 # ---- schedules ---------------------------------------------------------------------------------
@@ -254,11 +255,11 @@ def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> tuple[float,
     m = s.run(updates, progress=False)
     if "rollout/decode_iterations" not in m:
         return None
-    m = m[m["step"] >= skip]
+    m = m[m["update"] >= skip]
     rollout = next(st.id for st in s.plan.stages if st.type == "generate")
     sp = s.spans
-    sec = sp[(sp["stage"] == rollout) & (sp["phase"] == "compute")].groupby(["step", "worker"])["seconds"].sum() \
-        .groupby("step").max().reindex(m["step"]).to_numpy(float)
+    sec = sp[(sp["stage"] == rollout) & (sp["phase"] == "compute")].groupby(["batch_id", "worker"])["seconds"].sum() \
+        .groupby("batch_id").max().reindex(m["update"]).to_numpy(float)
     iters = m["rollout/decode_iterations"].to_numpy(float) / max(1, s.plan.stage(rollout).dp)  # per rank: counts add up
     ok = np.isfinite(sec) & np.isfinite(iters) & (iters > 0)
     sec, iters = sec[ok], iters[ok]
@@ -291,23 +292,23 @@ def _lanes_from_metrics(m: pd.DataFrame) -> pd.DataFrame:
     gen = (1 - m["schedule/rollout_idle"].astype(float)).clip(0, 1) * wall
     train = (1 - m["schedule/trainer_idle"].astype(float)).clip(0, 1) * wall
     return pd.DataFrame({"gen_s": gen.values, "train_s": train.values, "wall_s": wall.values},
-                        index=m["step"].astype(int).values)
+                        index=m["update"].astype(int).values)
 
 
 def _stage_seconds(spans: pd.DataFrame, stages: list[str]) -> pd.Series:
-    """Per step: the sum over `stages` of the slowest worker's spans of that stage (nested ones out)."""
+    """Per batch: the sum over `stages` of the slowest worker's spans of that stage (nested ones out)."""
     s = spans[spans["stage"].isin(stages) & (spans["worker"] != DRIVER) & ~spans["phase"].isin(NESTED_PHASES)]
-    return s.groupby(["step", "stage", "worker"])["seconds"].sum().groupby(["step", "stage"]).max().groupby(
-        "step").sum()
+    return s.groupby(["batch_id", "stage", "worker"])["seconds"].sum().groupby(["batch_id", "stage"]).max().groupby(
+        "batch_id").sum()
 
 
 def _fit_decode(items: pd.DataFrame, spans: pd.DataFrame, rollout: str, skip: int) -> tuple[float, float]:
     """(d, p): rollout seconds = d * (longest item tokens - p) per (step, dp rank), least squares;
     the static batch waits for its longest response."""
-    it = items[(items["stage"] == rollout) & (items["step"] >= skip)]
-    longest = it.groupby(["step", "worker"])["tokens"].max()
-    sp = spans[(spans["stage"] == rollout) & (spans["phase"] == "compute") & (spans["step"] >= skip)]
-    sec = sp.groupby(["step", "worker"])["seconds"].sum()
+    it = items[(items["stage"] == rollout) & (items["batch_id"] >= skip)]
+    longest = it.groupby(["batch_id", "worker"])["tokens"].max()
+    sp = spans[(spans["stage"] == rollout) & (spans["phase"] == "compute") & (spans["batch_id"] >= skip)]
+    sec = sp.groupby(["batch_id", "worker"])["seconds"].sum()
     both = pd.concat({"x": longest, "y": sec}, axis=1).dropna()
     floor = float(it["tokens"].min()) - 1 if len(it) else 0.0  # every response has a token
     if len(both) >= 3 and np.ptp(both["x"]) > 0:
@@ -400,7 +401,7 @@ def _from_dir(d: Path, rollout: str, train_from: str | None) -> _Source:
     missing = [p.name for p in need if not p.exists()]
     if missing:
         raise FileNotFoundError(f"{d} lacks {missing}: a schedule replay needs spans, metrics and items")
-    spans, metrics, items = (pd.read_parquet(p) for p in need)
+    spans, metrics, items = (read_saved(p, t) for p, t in zip(need, ("spans", "metrics", "items")))
     order = items.drop_duplicates("stage").sort_values("stage_index")["stage"].tolist()
     workers = spans[spans["worker"] != DRIVER].groupby("stage")["worker"].agg(frozenset)
     split = train_from or next((st for st in order if workers.get(st) != workers.get(order[0])), None)
@@ -425,14 +426,14 @@ def _batches(src: _Source) -> pd.DataFrame:
     else:  # colocated: the stages' critical paths
         b = pd.DataFrame({"gen_s": _stage_seconds(src.spans, src.gen_stages),
                           "train_s": _stage_seconds(src.spans, src.train_stages)})
-        b["wall_s"] = m.set_index(m["step"].astype(int))["wall_s"].reindex(b.index).astype(float)
+        b["wall_s"] = m.set_index(m["update"].astype(int))["wall_s"].reindex(b.index).astype(float)
     first_train = src.items[src.items["stage"] == src.train_stages[0]]
     if not len(first_train):
         raise ValueError(f"the recording has no items of the first training stage {src.train_stages[0]!r} "
                          f"(items() is empty: was the run recorded with an older version?)")
-    b["tokens"] = first_train.groupby("step")["tokens"].sum()
-    b["rows"] = first_train.groupby("step").size()
-    b["padded"] = b["rows"] * first_train.groupby("step")["tokens"].max()  # what training computes on
+    b["tokens"] = first_train.groupby("batch_id")["tokens"].sum()
+    b["rows"] = first_train.groupby("batch_id").size()
+    b["padded"] = b["rows"] * first_train.groupby("batch_id")["tokens"].max()  # what training computes on
     b["rollout_s"] = _stage_seconds(src.spans, [src.rollout])
     b = b.dropna(subset=["gen_s", "train_s", "wall_s", "tokens"])
     b["gap_s"] = (b["wall_s"] - b["gen_s"] - b["train_s"]).clip(lower=0)
@@ -457,14 +458,14 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
     d, p = knobs.decode_s, knobs.prompt_tokens
     it = src.items[src.items["stage"] == src.rollout]
     lengths = {int(r): [np.maximum(1, np.round(g2["tokens"].to_numpy(float) - p)).astype(np.int64)
-                        for _, g2 in g.groupby("dp_rank")] for r, g in it.groupby("step")}
+                        for _, g2 in g.groupby("dp_rank")] for r, g in it.groupby("batch_id")}
     if not knobs.rewarm:
         b = _dewarm(b, skip, lengths, d, _fit_train(b, skip))
     ws = src.spans[src.spans["phase"] == "weight_sync"]
-    sync = {"pull_s": float(ws[ws["stage"].isin(src.gen_stages)].groupby(["step", "worker"])["seconds"].sum()
-                            .groupby("step").max().median()) if len(ws) else 0.0,
-            "publish_s": float(ws[ws["stage"].isin(src.train_stages)].groupby(["step", "worker"])["seconds"].sum()
-                               .groupby("step").max().median()) if len(ws) else 0.0}
+    sync = {"pull_s": float(ws[ws["stage"].isin(src.gen_stages)].groupby(["batch_id", "worker"])["seconds"].sum()
+                            .groupby("batch_id").max().median()) if len(ws) else 0.0,
+            "publish_s": float(ws[ws["stage"].isin(src.train_stages)].groupby(["batch_id", "worker"])["seconds"].sum()
+                               .groupby("batch_id").max().median()) if len(ws) else 0.0}
     notes = []
     if src.colocated:
         notes.append(f"colocated recording: generation = {src.gen_stages}, training = {src.train_stages}, each "
@@ -712,7 +713,7 @@ def run_schedule(rec: LaneRecording, spec: ScheduleSpec, updates: int, skip: int
         report = lanes.step()
         m = report.metrics
         g = costs.generated[int(m["schedule/batch"])]
-        rows.append(_update_row(g, report.step, report.wall_seconds, costs.trained[g.batch], sim.now))
+        rows.append(_update_row(g, report.update, report.wall_seconds, costs.trained[g.batch], sim.now))
         busy.append((1 - m["schedule/rollout_idle"]) * report.wall_seconds)
     table = pd.DataFrame(rows)
     table["rollout_busy_s"] = busy
@@ -876,9 +877,9 @@ def measure(s: Any, options: dict, updates: int, skip: int, dag: Any = None) -> 
     s.reopen(**({"dag": dag} if dag is not None else {}), **options)
     train_stage = next(st.id for st in s.plan.stages if st.group == s.plan.groups[-1][0])
     m = s.run(updates, progress=False)
-    m = m[m["step"] >= skip]
+    m = m[m["update"] >= skip]
     it = s.items()
-    trained = it[(it["stage"] == train_stage) & it["update"].isin(m["step"])]
+    trained = it[(it["stage"] == train_stage) & it["update"].isin(m["update"])]
     stale = trained["update"] - trained["version"]
     dist = stale.value_counts(normalize=True).sort_index()
     wall = float(m["wall_s"].sum())
@@ -908,7 +909,7 @@ def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:
     own = session is None
     s = session or Session(dag or long_tail_dag(workers=workers), world_size=workers, mode=mode, keep_outputs=False)
     try:
-        if not own or s.controller.step_index:
+        if not own or s.controller.updates:
             s.reopen(schedule="sync")
         s.run(updates, progress=False)
         rec = load_lanes(s, skip=warmup, knobs=knobs)

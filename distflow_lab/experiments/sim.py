@@ -177,8 +177,8 @@ def fit_coordinator(records: list[dict] | pd.DataFrame, base: Calibration | None
 def _crit(spans: pd.DataFrame, phases) -> float:
     """Mean over steps of: sum over stages of the slowest worker's seconds in `phases`."""
     s = spans[spans.phase.isin(phases) & (spans.worker != DRIVER)]
-    per = s.groupby(["step", "stage", "worker"])["seconds"].sum().groupby(level=["step", "stage"]).max()
-    return float(per.groupby(level="step").sum().reindex(spans.step.unique(), fill_value=0.0).mean())
+    per = s.groupby(["batch_id", "stage", "worker"])["seconds"].sum().groupby(level=["batch_id", "stage"]).max()
+    return float(per.groupby(level="batch_id").sum().reindex(spans.batch_id.unique(), fill_value=0.0).mean())
 
 
 def calibrate(spans_by_mode: dict, batch_rows: int, context: int, devices: int, label: str = "calibration run",
@@ -202,7 +202,7 @@ def calibrate(spans_by_mode: dict, batch_rows: int, context: int, devices: int, 
     sc, nodes = s - 1, int(first.loc[first.worker != DRIVER, "node"].nunique())
     fx, imb = 1 - 1 / nodes, imbalance(devices, batch_rows / devices, cal.len_sigma, cal.len_median_frac)
     for m, sp in spans_by_mode.items():
-        g = sp.groupby("step")
+        g = sp.groupby("batch_id")
         meas[f"{m}_T"] = float(np.mean(walls[m] if walls and m in walls else g["end"].max() - g["start"].min()))
         meas[f"{m}_C"] = float(compute_critical_path(sp).mean())
     est["c"] = np.mean([meas[f"{m}_C"] for m in spans_by_mode]) / (
@@ -213,9 +213,9 @@ def calibrate(spans_by_mode: dict, batch_rows: int, context: int, devices: int, 
         dc = drv[drv.phase.isin(["dispatch", "collect"])]
         fit = np.linalg.lstsq(np.c_[np.ones(len(dc)), dc.bytes.to_numpy(float)], dc.seconds.to_numpy(float), rcond=None)
         o_obj = est["o_obj"] = max(float(fit[0][0]), 0.0) / devices  # each span handles D chunks
-        per = drv.groupby(["step", "phase"])[["seconds", "bytes"]].sum().unstack(fill_value=0).mean()
+        per = drv.groupby(["batch_id", "phase"])[["seconds", "bytes"]].sum().unstack(fill_value=0).mean()
         v = per[("bytes", "dispatch")] + per[("bytes", "collect")]
-        wb = float(drv[drv.phase == "split"].groupby("step")["bytes"].max().mean())
+        wb = float(drv[drv.phase == "split"].groupby("batch_id")["bytes"].max().mean())
         t_dc = per[("seconds", "dispatch")] + per[("seconds", "collect")]
         t_sc = sum(per.get(("seconds", p), 0.0) for p in ("split", "concat"))
         local = sp[sp.node == drv.node.iloc[0]]
@@ -231,8 +231,8 @@ def calibrate(spans_by_mode: dict, batch_rows: int, context: int, devices: int, 
                     driver_split_concat_s=t_sc, worker_crit_s=xw, worker_crit_driver_node_s=xl, centralized_gap_s=gap)
     if (sp := spans_by_mode.get("distributed")) is not None:
         puts = sp[sp.phase == "put"]
-        rd = est["redistributions"] = int(puts.groupby("step")["stage"].nunique().max()) if len(puts) else 0
-        wr = float(puts.groupby("step")["bytes"].sum().mean()) if len(puts) else 0.0
+        rd = est["redistributions"] = int(puts.groupby("batch_id")["stage"].nunique().max()) if len(puts) else 0
+        wr = float(puts.groupby("batch_id")["bytes"].sum().mean()) if len(puts) else 0.0
         put_s, get_s = _crit(sp, ["put"]), _crit(sp, ["get"])
         if wr > 0:
             est["rho"], bpd = wr / rd / (est.get("beta", cal.beta) * batch_rows * context), wr / devices

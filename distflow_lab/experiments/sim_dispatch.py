@@ -21,7 +21,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from distflow_lab.dataplane.interface import EndOfStep
+from distflow_lab.dataplane.interface import EndOfBatch
 from distflow_lab.runtime.schedule import Dispatch
 
 NEVER_S = 1e9  # a stage timeout in simulated time: nothing times out
@@ -60,8 +60,8 @@ class SimDispatch:
 
     def dispatch(self) -> Dispatch:
         return Dispatch(call=self.call, gather=self.gather, wait=self.wait, failed=lambda done: False,
-                        now=lambda: self.now, abort=lambda step, reason: None,
-                        end_step=lambda step: EndOfStep(0.0, []), timeout=lambda stage: NEVER_S)
+                        now=lambda: self.now, abort=lambda batch_id, reason: None,
+                        end_batch=lambda batch_id: EndOfBatch(0.0, []), timeout=lambda stage: NEVER_S)
 
     # ---- the clock ----------------------------------------------------------------------
     def _rate(self, c: SimCall, both: bool) -> float:
@@ -136,6 +136,6 @@ class SimDispatch:
                 break
         return [c for c in calls if c.end is not None], [c for c in calls if c.end is None]
 
-    def gather(self, calls: list[SimCall], step: int, stage: Any, limit_s: float, workers: list[int]) -> list[dict]:
+    def gather(self, calls: list[SimCall], batch_id: int, stage: Any, limit_s: float, workers: list[int]) -> list[dict]:
         self.wait(calls, len(calls), NEVER_S)
         return [c.answer for c in calls]

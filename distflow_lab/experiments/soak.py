@@ -253,7 +253,7 @@ def arm(session: Any, plan: list[Fault], from_step: int) -> None:
             continue
         target = {"engine": "worker"}.get(f.kind, f.kind)
         index = f.actor if target in ("buffer", "coordinator") else f.worker
-        chaos.inject(session, target, index, step=f.step, stage=f.stage, by_worker=f.worker, mark=f.mark)
+        chaos.inject(session, target, index, batch_id=f.step, stage=f.stage, by_worker=f.worker, mark=f.mark)
 
 
 def _fired(plan: list[Fault]) -> list[Fault]:
@@ -285,7 +285,7 @@ def keep_update(report: Any, types: dict[str, str]) -> Update:
     produced, _ = _ids(report, types, "generate", first=True)
     trained, versions = _ids(report, types, "train", first=False)
     m = {k: float(v) for k, v in report.metrics.items() if not TIMING.search(k)}
-    return Update(int(report.metrics.get("schedule/batch", report.step)), produced, trained, versions, m)
+    return Update(int(report.metrics.get("schedule/batch", report.update)), produced, trained, versions, m)
 
 
 def audit(r: SoakReport, kept: dict[int, Update], k: int | None) -> None:
@@ -355,15 +355,15 @@ def drive(session: Any, r: SoakReport, steps: int, plan: list[Fault], root: Path
     try:
         save(0)
         arm(session, plan, 0)
-        while c.step_index < steps:
-            t = c.step_index
+        while c.updates < steps:
+            t = c.updates
             try:
                 rep = _bounded(pool, session.step, step_limit, f"step {t}")
-                kept[rep.step] = keep_update(rep, types)
+                kept[rep.update] = keep_update(rep, types)
                 bar.n = len(kept)
                 bar.refresh()
-                if (rep.step + 1) % checkpoint_every == 0 and rep.step + 1 < steps:
-                    save(rep.step + 1)
+                if (rep.update + 1) % checkpoint_every == 0 and rep.update + 1 < steps:
+                    save(rep.update + 1)
             except _Hang:
                 raise
             except Exception as e:  # noqa: BLE001 - a named error is recovered; a raw one is also counted
@@ -381,7 +381,7 @@ def drive(session: Any, r: SoakReport, steps: int, plan: list[Fault], root: Path
                                      f"{name}: {getattr(e, 'summary', e)}") from None
                 if c.broken or c.placement is None or not isinstance(e, FriendlyError):
                     _resume(session, r, kept, root, pool, setup_limit, max_retries)
-                    arm(session, plan, c.step_index)
+                    arm(session, plan, c.updates)
                 else:
                     r.steps_retried += 1
             for x in c.retries[seen_retries:]:  # steps the controller retried itself (a data-plane actor died)

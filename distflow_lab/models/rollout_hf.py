@@ -152,4 +152,4 @@ class HFRollout:
 
 
 def _mismatch(why: str) -> WeightSyncMismatch:
-    return WeightSyncMismatch(f"HF rollout weight load: {why}", step=-1, stage="weight_sync", worker=None)
+    return WeightSyncMismatch(f"HF rollout weight load: {why}", batch_id=-1, stage="weight_sync", worker=None)

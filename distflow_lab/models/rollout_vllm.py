@@ -425,7 +425,7 @@ class VLLMRollout:
             raise WeightSyncMismatch(f"weight sync covered {len(set(seen))} of the checkpoint's "
                                      f"{len(self.expected_names)} tensors; missing {missing[:5]}"
                                      f"{' ...' if len(missing) > 5 else ''}: the engine holds a mix of old and new "
-                                     "weights and refuses to generate until a full sync", step=-1, stage="weight_sync",
+                                     "weights and refuses to generate until a full sync", batch_id=-1, stage="weight_sync",
                                      worker=None)
         if self.llm.reset_prefix_cache(reset_running_requests=True) is False:
             raise RuntimeError("vLLM could not reset its prefix cache after the weight sync")

@@ -82,7 +82,7 @@ class Breakdown:
 
 def breakdown(spans_by_mode: SpansByMode | pd.DataFrame, stage_order: list[str] | None = None) -> Breakdown:
     """Stacked phase seconds per stage, modes side by side (x: stage / mode),
-    with the step total in a narrow second panel."""
+    with the batch total in a narrow second panel."""
     table = breakdown_table(spans_by_mode, stage_order)
     if not len(table):
         return Breakdown(empty_figure("no spans to break down", "stage breakdown"), table)
@@ -90,7 +90,7 @@ def breakdown(spans_by_mode: SpansByMode | pd.DataFrame, stage_order: list[str] 
     stages = [s for s in table.index if s != "total"]
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, column_widths=[0.85, 0.15], horizontal_spacing=0.02)
     phases = ordered_phases(p for p in table.columns.get_level_values("phase") if p != "total")
-    panels = ((1, stages), (2, ["total"]))  # stages, then the step total in its own narrow panel
+    panels = ((1, stages), (2, ["total"]))  # stages, then the batch total in its own narrow panel
     for phase in phases:
         for col, rows in panels:
             ys = [float(table.at[s, (m, phase)]) if (m, phase) in table.columns else 0.0
@@ -110,14 +110,14 @@ def breakdown(spans_by_mode: SpansByMode | pd.DataFrame, stage_order: list[str] 
                       legend_tracegroupgap=2,  # one legend group per phase: no gaps between them
                       title="stage breakdown: critical-path seconds per phase (paper Table 1)",
                       margin=dict(l=60, r=20, t=60, b=80))
-    fig.update_yaxes(title="seconds (slowest worker, mean over steps)", row=1, col=1)
+    fig.update_yaxes(title="seconds (slowest worker, mean over batches)", row=1, col=1)
     return Breakdown(fig, table)
 
 
 # ---- cache hits -------------------------------------------------------------------------------------
 
 def cache_table(spans: pd.DataFrame) -> pd.DataFrame:
-    """Per (mode, stage), per step on average: inputs served from the local
+    """Per (mode, stage), per batch on average: inputs served from the local
     cache (hits), inputs that crossed the object store (misses: a buffer `get`
     or a worker-side `dispatch` of a driver chunk) and the MiB those misses
     carried into the stage (receiver side, so tensor-parallel copies count)."""
@@ -131,7 +131,7 @@ def cache_table(spans: pd.DataFrame) -> pd.DataFrame:
     df = df.assign(mib=np.where(df["miss"], df["bytes"].astype(float) / 2**20, 0.0))
     order = list(dict.fromkeys(spans.sort_values("start")["stage"]))
     g = df.groupby(["mode", "stage"], sort=False)
-    steps = g["step"].nunique()
+    steps = g["batch_id"].nunique()
     out = pd.DataFrame({"hits": g["hit"].sum() / steps, "misses": g["miss"].sum() / steps,
                         "mib_in": g["mib"].sum() / steps}).reset_index()
     out["stage"] = pd.Categorical(out["stage"], categories=order, ordered=True)
@@ -149,7 +149,7 @@ def no_bytes_message(table: pd.DataFrame) -> str:
 
 
 def cache_hits(spans: pd.DataFrame) -> go.Figure:
-    """Two panels per stage: local-cache hits vs misses (per step) and the MiB
+    """Two panels per stage: local-cache hits vs misses (per batch) and the MiB
     moved into the stage. Several modes in `spans` show side by side. When no
     bytes moved the second panel says so (`no_bytes_message`) instead of
     drawing an empty axis."""
@@ -159,23 +159,23 @@ def cache_hits(spans: pd.DataFrame) -> go.Figure:
     multi = table["mode"].nunique() > 1
     x = [table["stage"].tolist(), table["mode"].tolist()] if multi else table["stage"].tolist()
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=("stage inputs per step: local cache hit vs moved (miss)",
+                        subplot_titles=("stage inputs per batch: local cache hit vs moved (miss)",
                                         "MiB moved into stage"))
     fig.add_trace(go.Bar(name="cache hit", x=x, y=table["hits"], marker_color=PHASE_COLORS["cache_hit"],
-                         hovertemplate="%{x}: %{y:.3g} hits/step<extra></extra>"), row=1, col=1)
+                         hovertemplate="%{x}: %{y:.3g} hits/batch<extra></extra>"), row=1, col=1)
     fig.add_trace(go.Bar(name="miss (get / dispatch)", x=x, y=table["misses"], marker_color=PHASE_COLORS["get"],
-                         hovertemplate="%{x}: %{y:.3g} misses/step<extra></extra>"), row=1, col=1)
+                         hovertemplate="%{x}: %{y:.3g} misses/batch<extra></extra>"), row=1, col=1)
     if table["mib_in"].sum() > 0:
         fig.add_trace(go.Bar(name="MiB in", x=x, y=table["mib_in"], marker_color=PHASE_COLORS["put"],
-                             hovertemplate="%{x}: %{y:.3f} MiB/step<extra></extra>"), row=2, col=1)
+                             hovertemplate="%{x}: %{y:.3f} MiB/batch<extra></extra>"), row=2, col=1)
     else:  # an empty panel would show a meaningless -1..1 axis: say what happened instead
         fig.add_annotation(text=no_bytes_message(table), showarrow=False, x=0.5, y=0.5, xref="x2 domain",
                            yref="y2 domain", font=dict(size=13, color="#666"), name="no-bytes")
         fig.update_yaxes(range=[0, 1], showticklabels=False, showgrid=False, row=2, col=1)
-    # Stacked: the bar's height is the stage's inputs per step, split into hits and misses.
+    # Stacked: the bar's height is the stage's inputs per batch, split into hits and misses.
     fig.update_layout(barmode="stack", template="plotly_white", height=480, title="local cache hits per stage",
                       legend_traceorder="normal",
                       margin=dict(l=60, r=20, t=70, b=60))
-    fig.update_yaxes(title="inputs / step", row=1, col=1)
-    fig.update_yaxes(title="MiB / step", row=2, col=1)
+    fig.update_yaxes(title="inputs / batch", row=1, col=1)
+    fig.update_yaxes(title="MiB / batch", row=2, col=1)
     return fig

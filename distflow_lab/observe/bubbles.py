@@ -1,8 +1,8 @@
-"""Idle time by cause ("bubbles"): per worker and step, the step's wall time split
+"""Idle time by cause ("bubbles"): per worker and batch, the batch's wall time split
 into compute and idle, and the idle part split by why the worker was not computing.
 
-A worker is, at every instant of a step, in exactly one state, so the parts add
-up to the step's wall time (the driver's `wall_s`). The states, by priority when
+A worker is, at every instant of a batch, in exactly one state, so the parts add
+up to the batch's wall time (the driver's `wall_s`). The states, by priority when
 several of a worker's own spans overlap (a stage records `weight_sync` inside its
 compute span):
 
@@ -25,15 +25,15 @@ for producers), is idle for a reason found in what the others do at that instant
     weight_sync   someone else syncs weights;  staleness: someone else waits at the gate
     data_plane    someone else (a worker or the driver) moves data; in a `wait` span,
                   also the default (the data plane had not delivered yet)
-    control       nobody relevant is busy: driver round trips, stage calls, the step's
+    control       nobody relevant is busy: driver round trips, stage calls, the batch's
                   start and end (centralized mode's gaps between stage calls)
 
-The driver's wall time of a step usually exceeds the span extent (first span start
+The driver's wall time of a batch usually exceeds the span extent (first span start
 to last span end) by the call and gather latency; that remainder is `control` for
 every worker. If clocks make the extent exceed the wall (nodes with skewed
 clocks), every part is scaled by wall / extent so the sum still equals the wall.
 
-    b = bubbles(s.spans, {st.id: st.type for st in s.plan.stages}, s.metrics.set_index("step")["wall_s"])
+    b = bubbles(s.spans, {st.id: st.type for st in s.plan.stages}, s.metrics.set_index("update")["wall_s"])
     b.table; b.summary; b.figure      # also: table, fig = bubbles(...)
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ CAUSE_DOCS = {
     "imbalance": "idle while another worker computes the same stage (a straggler)",
     "rollout_tail": "idle while a generate-type stage computes elsewhere (rollout long tail)",
     "data_plane": "own put/get/plan/cache_hit/dispatch/collect/split/concat/load, or idle while data moves",
-    "control": "idle while nobody relevant is busy: driver round trips, stage calls, step start/end",
+    "control": "idle while nobody relevant is busy: driver round trips, stage calls, batch start/end",
     "weight_sync": "own weight_sync span (or idle while another worker syncs weights)",
     "staleness": "own stale_wait span (async staleness gate), or idle while another worker waits there",
     "environment": "own env_wait span (multi-turn: no turn to decode, tools running), or idle while another "
@@ -87,7 +87,7 @@ def _cover(bounds: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarr
 
 
 def _step_parts(df: pd.DataFrame, types: dict[str, str], wall: float | None) -> list[dict]:
-    """Rows (one per worker) of one step's split."""
+    """Rows (one per worker) of one batch's split."""
     df = df[df["end"] > df["start"]]
     workers = sorted(int(w) for w in df.loc[df["worker"] != DRIVER, "worker"].unique())
     if not workers:
@@ -161,19 +161,19 @@ def _step_parts(df: pd.DataFrame, types: dict[str, str], wall: float | None) -> 
 
 
 def bubble_table(spans: pd.DataFrame, plan_stage_types: dict[str, str] | None = None,
-                 wall_by_step: pd.Series | dict | None = None) -> pd.DataFrame:
-    """One row per (step, worker): wall_s, compute, the six idle causes (seconds), idle
-    (their sum) and idle_frac. `wall_by_step`: the driver's step wall (index: step);
-    steps missing from it use the span extent."""
-    cols = ["step", "worker", "wall_s", *COLUMNS, "idle", "idle_frac"]
+                 wall_by_batch: pd.Series | dict | None = None) -> pd.DataFrame:
+    """One row per (batch, worker): wall_s, compute, the six idle causes (seconds), idle
+    (their sum) and idle_frac. `wall_by_batch`: the driver's batch wall (index: batch);
+    batches missing from it use the span extent."""
+    cols = ["batch_id", "worker", "wall_s", *COLUMNS, "idle", "idle_frac"]
     if spans is None or not len(spans):
         return pd.DataFrame(columns=cols)
     types = dict(plan_stage_types or {})
-    walls = pd.Series(wall_by_step if wall_by_step is not None else {}, dtype=float)
+    walls = pd.Series(wall_by_batch if wall_by_batch is not None else {}, dtype=float)
     rows = []
-    for step, df in spans.groupby("step", sort=True):
-        for r in _step_parts(df, types, walls.get(step)):
-            rows.append({"step": int(step), **r})
+    for batch_id, df in spans.groupby("batch_id", sort=True):
+        for r in _step_parts(df, types, walls.get(batch_id)):
+            rows.append({"batch_id": int(batch_id), **r})
     out = pd.DataFrame(rows)
     if not len(out):
         return pd.DataFrame(columns=cols)
@@ -183,7 +183,7 @@ def bubble_table(spans: pd.DataFrame, plan_stage_types: dict[str, str] | None = 
 
 
 def bubble_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """Mean seconds per step for each worker (rows), plus an `all` row (mean over workers)."""
+    """Mean seconds per batch for each worker (rows), plus an `all` row (mean over workers)."""
     if not len(table):
         return pd.DataFrame(columns=["wall_s", *COLUMNS, "idle", "idle_frac"])
     per = table.groupby("worker")[["wall_s", *COLUMNS, "idle"]].mean()
@@ -195,7 +195,7 @@ def bubble_summary(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def bubble_figure(table: pd.DataFrame, title: str | None = None) -> go.Figure:
-    """Stacked bars per worker: compute and the idle causes, mean seconds per step."""
+    """Stacked bars per worker: compute and the idle causes, mean seconds per batch."""
     if not len(table):
         return empty_figure("no spans yet", title or "idle time by cause")
     summary = bubble_summary(table).drop(index="all")
@@ -206,18 +206,18 @@ def bubble_figure(table: pd.DataFrame, title: str | None = None) -> go.Figure:
         frac = summary[c] / summary["wall_s"].where(summary["wall_s"] > 0)
         fig.add_trace(go.Bar(
             name=c, x=list(summary.index), y=summary[c], marker_color=CAUSE_COLORS[c], customdata=frac,
-            hovertemplate=f"{c}: %{{y:.4f}} s/step (%{{customdata:.1%}} of wall)<br>%{{x}}<extra>{CAUSE_DOCS[c]}</extra>"))
-    steps = table["step"].nunique()
+            hovertemplate=f"{c}: %{{y:.4f}} s/batch (%{{customdata:.1%}} of wall)<br>%{{x}}<extra>{CAUSE_DOCS[c]}</extra>"))
+    steps = table["batch_id"].nunique()
     fig.update_layout(barmode="stack", template="plotly_white", height=420, legend_title="state",
-                      title=title or f"idle time by cause: mean seconds per step over {steps} step(s)",
-                      yaxis_title="seconds per step (sums to the step's wall)", xaxis_title="worker",
+                      title=title or f"idle time by cause: mean seconds per batch over {steps} batch(es)",
+                      yaxis_title="seconds per batch (sums to the batch's wall)", xaxis_title="worker",
                       margin=dict(l=60, r=20, t=60, b=50))
     return fig
 
 
 @dataclass
 class Bubbles:
-    """Idle time by cause. `table`: per (step, worker); `summary`: mean per worker;
+    """Idle time by cause. `table`: per (batch, worker); `summary`: mean per worker;
     `figure`: stacked bars. `table, fig = bubbles(...)` unpacks."""
 
     table: pd.DataFrame
@@ -237,13 +237,13 @@ class Bubbles:
         display(self.summary.round(4))
 
     def __repr__(self) -> str:
-        return f"Bubbles (mean seconds per step; idle causes sum to wall - compute)\n{self.summary.round(4).to_string()}"
+        return f"Bubbles (mean seconds per batch; idle causes sum to wall - compute)\n{self.summary.round(4).to_string()}"
 
 
 def bubbles(spans: pd.DataFrame, plan_stage_types: dict[str, str] | None = None,
-            wall_by_step: pd.Series | dict | None = None, title: str | None = None) -> Bubbles:
-    """Idle time by cause per worker and step (see the module docstring), with a
+            wall_by_batch: pd.Series | dict | None = None, title: str | None = None) -> Bubbles:
+    """Idle time by cause per worker and batch (see the module docstring), with a
     stacked bar figure per worker. `plan_stage_types`: stage id -> node type (which
-    stages are `generate`); `wall_by_step`: the driver's wall seconds per step."""
-    table = bubble_table(spans, plan_stage_types, wall_by_step)
+    stages are `generate`); `wall_by_batch`: the driver's wall seconds per batch."""
+    table = bubble_table(spans, plan_stage_types, wall_by_batch)
     return Bubbles(table, bubble_figure(table, title))

@@ -43,7 +43,7 @@ def metric_curves(metrics: pd.DataFrame | dict[str, pd.DataFrame], columns: list
                         vertical_spacing=0.12 if nrows > 1 else 0.1)
     for i, (name, df) in enumerate(runs.items()):
         color = series_color(i, name)
-        x = df["step"] if "step" in df.columns else df.index
+        x = df["update"] if "update" in df.columns else df.index
         for j, col in enumerate(columns):
             if col not in df.columns:
                 continue
@@ -58,9 +58,9 @@ def metric_curves(metrics: pd.DataFrame | dict[str, pd.DataFrame], columns: list
             fig.add_trace(go.Scatter(
                 x=x, y=y, mode="lines+markers" if len(df) <= 50 else "lines", marker=dict(size=4),
                 line=dict(color=color, width=2), name=label, legendgroup=name,
-                showlegend=bool(name) and j == 0, hovertemplate=f"{label}<br>step %{{x}}: %{{y:.4g}}<extra></extra>",
+                showlegend=bool(name) and j == 0, hovertemplate=f"{label}<br>update %{{x}}: %{{y:.4g}}<extra></extra>",
             ), row=r, col=c)
-    fig.update_xaxes(title_text="step", row=nrows)
+    fig.update_xaxes(title_text="update", row=nrows)
     fig.update_layout(template="plotly_white", height=260 * nrows + 60, title="training metrics",
                       margin=dict(l=50, r=20, t=70, b=40))
     return fig
@@ -83,7 +83,7 @@ def seed_curves(runs: dict[str, list[pd.DataFrame]], columns: list[str], smooth:
     for i, (name, dfs) in enumerate(runs.items()):
         color = series_color(i, name)
         for j, col in enumerate(columns):
-            seeds = pd.DataFrame({k: df.set_index("step")[col].rolling(smooth, min_periods=1).mean()
+            seeds = pd.DataFrame({k: df.set_index("update")[col].rolling(smooth, min_periods=1).mean()
                                   for k, df in enumerate(dfs) if col in df.columns})
             if seeds.empty:
                 continue
@@ -94,9 +94,9 @@ def seed_curves(runs: dict[str, list[pd.DataFrame]], columns: list[str], smooth:
             fig.add_trace(go.Scatter(x=x, y=seeds.min(axis=1), fill="tonexty", opacity=0.2, **band), row=r, col=c)
             fig.add_trace(go.Scatter(x=x, y=seeds.mean(axis=1), mode="lines", line=dict(color=color, width=2),
                                      name=f"{name} ({seeds.shape[1]} seeds)", legendgroup=name, showlegend=j == 0,
-                                     hovertemplate=f"{name}<br>step %{{x}}: %{{y:.4g}} (mean)<extra></extra>"),
+                                     hovertemplate=f"{name}<br>update %{{x}}: %{{y:.4g}} (mean)<extra></extra>"),
                           row=r, col=c)
-    fig.update_xaxes(title_text="step", row=nrows)
+    fig.update_xaxes(title_text="update", row=nrows)
     fig.update_layout(template="plotly_white", height=280 * nrows + 60, title="metrics over seeds (mean, min..max)",
                       margin=dict(l=50, r=20, t=70, b=40))
     return fig

@@ -2,7 +2,7 @@
 values returning plotly `go.Figure`s; they never import `lab` or a controller.
 
     from distflow_lab.observe.figures import timeline, breakdown
-    fig = timeline(session.spans, steps=[3, 4])
+    fig = timeline(session.spans, batches=[3, 4])
     w = go.FigureWidget(fig)  # live-updatable widget in a notebook
 
 The code lives in timeline.py, breakdown.py, balance.py, curves.py and dag.py;

@@ -42,7 +42,7 @@ def _label(stage: str, worker: int) -> str:
 
 def _worker_spans(spans: pd.DataFrame, stage: str, phase: str) -> pd.DataFrame:
     w = spans[(spans["stage"] == stage) & (spans["phase"] == phase) & (spans["worker"] != DRIVER)]
-    return w.groupby(["step", "worker"], as_index=False)[["bytes", "items"]].sum()
+    return w.groupby(["batch_id", "worker"], as_index=False)[["bytes", "items"]].sum()
 
 
 def _via_driver(spans: pd.DataFrame, name: str, src: str, dst: str) -> list[dict]:
@@ -63,22 +63,22 @@ def _via_store(spans: pd.DataFrame, items: pd.DataFrame, plan: "Plan", name: str
     if not len(gets):
         return []
     consumer = plan.stage(dst)
-    made = items[items["stage"] == src].set_index(["step", "item_id"])["worker"]
+    made = items[items["stage"] == src].set_index(["batch_id", "item_id"])["worker"]
     made = made[~made.index.duplicated()]
     took = items[items["stage"] == dst]
-    hop_of = took.groupby("step")["route_in"].agg(lambda r: r.mode().iloc[0] if len(r) else "buffer")
-    puts = _worker_spans(spans, src, "put").set_index(["step", "worker"])["bytes"]
+    hop_of = took.groupby("batch_id")["route_in"].agg(lambda r: r.mode().iloc[0] if len(r) else "buffer")
+    puts = _worker_spans(spans, src, "put").set_index(["batch_id", "worker"])["bytes"]
     rows = []
     for r in gets.itertuples(index=False):
-        ids = took[(took["step"] == r.step) & (took["dp_rank"] == consumer.dp_rank(r.worker))]["item_id"]
-        producers = made.reindex(list(zip([r.step] * len(ids), ids))).dropna().astype(int)
+        ids = took[(took["batch_id"] == r.batch_id) & (took["dp_rank"] == consumer.dp_rank(r.worker))]["item_id"]
+        producers = made.reindex(list(zip([r.batch_id] * len(ids), ids))).dropna().astype(int)
         share = producers.value_counts()
-        if not len(share):  # no lineage for this step: split like the producers' puts
-            share = puts.xs(r.step, level="step") if r.step in puts.index.get_level_values(0) else pd.Series(dtype=float)
+        if not len(share):  # no lineage for this batch: split like the producers' puts
+            share = puts.xs(r.batch_id, level="batch_id") if r.batch_id in puts.index.get_level_values(0) else pd.Series(dtype=float)
         if not len(share) or share.sum() <= 0:
             share = pd.Series({-2: 1.0})  # producers unknown: one "?" node keeps the sum
         frac = share / share.sum()
-        hop = HOPS.get(hop_of.get(r.step, "buffer"), "DataBuffer")
+        hop = HOPS.get(hop_of.get(r.batch_id, "buffer"), "DataBuffer")
         for p, f in frac.items():
             rows.append({"edge": name, "source": _label(src, p) if p >= 0 else f"{src} ?", "target": _label(dst, r.worker),
                          "source_worker": int(p), "target_worker": int(r.worker), "hop": hop,
@@ -87,17 +87,17 @@ def _via_store(spans: pd.DataFrame, items: pd.DataFrame, plan: "Plan", name: str
 
 
 def byte_flows(spans: pd.DataFrame, items: pd.DataFrame, plan: "Plan", edge: str | None = None,
-               step: int | Iterable[int] | None = None) -> pd.DataFrame:
+               batches: int | Iterable[int] | None = None) -> pd.DataFrame:
     """Bytes (and items) from worker to worker on each edge of `plan` (or only `edge`, a name
-    like "advantage->old_log_prob"), summed over `step` (an int, a list; None: every step).
+    like "advantage->old_log_prob"), summed over `batches` (an int, a list; None: every batch).
     Columns: FLOW_COLUMNS; the driver is worker -1 and node "driver" (centralized)."""
     names = {e.name: e for e in plan.edges}
     if edge is not None and edge not in names:
         raise KeyError(f"no edge {edge!r}; edges: {list(names)}")
-    if step is not None and len(spans):
-        wanted = [step] if isinstance(step, (int, np.integer)) else list(step)
-        spans = spans[spans["step"].isin(wanted)]
-        items = items[items["step"].isin(wanted)] if len(items) else items
+    if batches is not None and len(spans):
+        wanted = [batches] if isinstance(batches, (int, np.integer)) else list(batches)
+        spans = spans[spans["batch_id"].isin(wanted)]
+        items = items[items["batch_id"].isin(wanted)] if len(items) else items
     if not len(spans):
         return pd.DataFrame(columns=FLOW_COLUMNS)
     rows: list[dict] = []

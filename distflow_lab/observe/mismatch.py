@@ -28,7 +28,7 @@ def mismatch_figure(metrics: pd.DataFrame, diffs: np.ndarray | None = None) -> g
                         subplot_titles=("per step", "over the latest step's tokens"))
     for i, name in enumerate(METRICS):
         y = metrics[name].clip(lower=1e-12)  # log axis: an exact 0 would vanish
-        fig.add_trace(go.Scatter(x=metrics["step"], y=y, mode="lines+markers", name=name.split("/")[1],
+        fig.add_trace(go.Scatter(x=metrics["update"], y=y, mode="lines+markers", name=name.split("/")[1],
                                  line=dict(color=series_color(i))), row=1, col=1)
     if diffs is not None and len(diffs):
         fig.add_trace(go.Histogram(x=np.log10(np.maximum(diffs, 1e-12)), name="tokens", nbinsx=40,
@@ -36,6 +36,6 @@ def mismatch_figure(metrics: pd.DataFrame, diffs: np.ndarray | None = None) -> g
         fig.update_xaxes(title_text="log10 |rollout - trainer| log-prob", row=1, col=2)
         fig.update_yaxes(title_text="tokens", row=1, col=2)
     fig.update_yaxes(type="log", title_text="log-prob difference", row=1, col=1)
-    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_xaxes(title_text="update", row=1, col=1)
     fig.update_layout(template="plotly_white", title="train-inference mismatch", height=380)
     return fig

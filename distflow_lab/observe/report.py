@@ -25,7 +25,7 @@ from distflow_lab.observe.breakdown import breakdown, cache_hits
 from distflow_lab.observe.curves import metric_curves
 from distflow_lab.observe.dag_figure import dag_figure
 from distflow_lab.observe.mismatch import METRICS as MISMATCH, mismatch_figure
-from distflow_lab.observe.timeline import last_steps, timeline
+from distflow_lab.observe.timeline import last_batches, timeline
 
 _CSS = """
 body{font-family:system-ui,-apple-system,sans-serif;margin:24px auto;max-width:1280px;color:#222;padding:0 16px}
@@ -112,11 +112,11 @@ def _metrics_html(spans: pd.DataFrame, metrics: pd.DataFrame) -> str:
     if not len(metrics):
         return "<p class='note'>no metrics recorded</p>"
     out = _fig_html(metric_curves(metrics))
-    if "wall_s" in metrics.columns and "step" in metrics.columns and len(spans):
-        steps = step_table(spans, metrics.set_index("step")["wall_s"])
-        out += "<h3>per step: wall vs compute critical path</h3>" + _table_html(steps.tail(20))
-    return out + "<h3>metrics (last 20 steps)</h3>" + _table_html(metrics.tail(20).set_index(
-        "step") if "step" in metrics.columns else metrics.tail(20))
+    if "wall_s" in metrics.columns and "update" in metrics.columns and len(spans):
+        steps = step_table(spans, metrics.set_index("update")["wall_s"])
+        out += "<h3>per batch: wall vs compute critical path</h3>" + _table_html(steps.tail(20))
+    return out + "<h3>metrics (last 20 updates)</h3>" + _table_html(metrics.tail(20).set_index(
+        "update") if "update" in metrics.columns else metrics.tail(20))
 
 
 def write_report(session: Any, path: str | Path, extra_spans: dict[str, pd.DataFrame] | None = None) -> Path:
@@ -128,9 +128,9 @@ def write_report(session: Any, path: str | Path, extra_spans: dict[str, pd.DataF
     metrics = pd.DataFrame() if metrics is None else metrics
     plan = getattr(session, "plan", None)
     mode, dag_name = str(session.mode), _dag_name(session)
-    n_steps = max(spans["step"].nunique() if len(spans) else 0, len(metrics))
+    n_steps = max(spans["batch_id"].nunique() if len(spans) else 0, len(metrics))
     title = f"DistFlow lab report: {dag_name} ({mode})"
-    shown = last_steps(spans, 2)  # two steps: enough to see one overlap the next
+    shown = last_batches(spans, 2)  # two steps: enough to see one overlap the next
     by_mode = {mode: spans, **{m: df for m, df in (extra_spans or {}).items() if m != mode}}  # this run first
     order = [s.id for s in plan.stages] if plan is not None else None
 
@@ -145,8 +145,8 @@ def write_report(session: Any, path: str | Path, extra_spans: dict[str, pd.DataF
         _section("config", "configuration", lambda: _config_html(getattr(session, "config", None))),
         _section("fig-dag", "DAG and plan", lambda: _fig_html(dag_figure(plan)) if plan is not None
                  else "<p class='note'>no plan</p>"),
-        _section("fig-timeline", f"step timeline (steps {shown})",
-                 lambda: _fig_html(timeline(spans, steps=shown))),
+        _section("fig-timeline", f"timeline (batches {shown})",
+                 lambda: _fig_html(timeline(spans, batches=shown))),
         _section("fig-breakdown", "stage breakdown (paper Table 1)", breakdown_html),
         _section("fig-cache", "local cache hits and bytes moved", lambda: _fig_html(cache_hits(spans))),
         balance,

@@ -41,9 +41,9 @@ def idle_figure(metrics: pd.DataFrame) -> go.Figure:
         return empty_figure("no schedule metrics (a colocated synchronous session has no idle groups)", "idle")
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.6, 0.4], vertical_spacing=0.08)
     for i, c in enumerate(cols):
-        fig.add_trace(go.Scatter(x=metrics["step"], y=metrics[c], mode="lines+markers", name=c.split("/")[1],
+        fig.add_trace(go.Scatter(x=metrics["update"], y=metrics[c], mode="lines+markers", name=c.split("/")[1],
                                  line=dict(color=series_color(i))), row=1, col=1)
-    fig.add_trace(go.Scatter(x=metrics["step"], y=metrics["wall_s"], mode="lines+markers", name="wall s",
+    fig.add_trace(go.Scatter(x=metrics["update"], y=metrics["wall_s"], mode="lines+markers", name="wall s",
                              line=dict(color="#666")), row=2, col=1)
     fig.update_yaxes(title_text="idle share", range=[0, 1.05], row=1, col=1)
     fig.update_yaxes(title_text="seconds", row=2, col=1)

@@ -1,4 +1,4 @@
-"""The step timeline: a Gantt chart of spans, one row per worker (and the
+"""The timeline: a Gantt chart of spans, one row per worker (and the
 driver in centralized mode), one bar per span coloured by phase and labelled
 with its stage (a label shows where it fits; the hover names everything)."""
 from __future__ import annotations
@@ -18,25 +18,25 @@ OUTLINE = dict(color="rgba(0,0,0,0.45)", width=0.6)  # a dark hairline: back-to-
 # apart, and a sliver of a bar stays visible (a light outline would cover it)
 LABEL_MIN_PX = 9  # stage labels smaller than this would not be readable: plotly hides them (uniformtext)
 
-_HOVER = ("<b>%{customdata[2]}</b> · %{customdata[1]} · step %{customdata[0]}<br>"
+_HOVER = ("<b>%{customdata[2]}</b> · %{customdata[1]} · batch %{customdata[0]}<br>"
           "%{y} on %{customdata[8]}<br>%{customdata[3]:.2f} ms<br>"
           "%{customdata[4]:.3f} MiB · %{customdata[5]} items · %{customdata[6]} tokens<br>"
           "cache hit: %{customdata[7]}<extra></extra>")
 
 
-def select_steps(spans: pd.DataFrame, steps: int | Iterable[int] | None) -> pd.DataFrame:
-    """Rows of `spans` whose step is in `steps` (an int, an iterable, or None for all)."""
-    if steps is None or not len(spans):
+def select_batches(spans: pd.DataFrame, batches: int | Iterable[int] | None) -> pd.DataFrame:
+    """Rows of `spans` whose batch is in `batches` (an int, an iterable, or None for all)."""
+    if batches is None or not len(spans):
         return spans
-    wanted = [int(steps)] if isinstance(steps, (int, np.integer)) else [int(s) for s in steps]
-    return spans[spans["step"].isin(wanted)]
+    wanted = [int(batches)] if isinstance(batches, (int, np.integer)) else [int(s) for s in batches]
+    return spans[spans["batch_id"].isin(wanted)]
 
 
-def last_steps(spans: pd.DataFrame, n: int) -> list[int] | None:
-    """The latest `n` steps in `spans`, ascending; None (all) when there are no spans."""
+def last_batches(spans: pd.DataFrame, n: int) -> list[int] | None:
+    """The latest `n` batches in `spans`, ascending; None (all) when there are no spans."""
     if not len(spans):
         return None
-    return [int(x) for x in sorted(spans["step"].unique())[-n:]]
+    return [int(x) for x in sorted(spans["batch_id"].unique())[-n:]]
 
 
 def worker_rows(spans: pd.DataFrame) -> list[str]:
@@ -52,7 +52,7 @@ def _hit_text(v: object) -> str:
     return "yes" if bool(v) else "no"
 
 
-def timeline(spans: pd.DataFrame, steps: int | Iterable[int] | None = None,
+def timeline(spans: pd.DataFrame, batches: int | Iterable[int] | None = None,
              title: str | None = None) -> go.Figure:
     """Gantt chart of `spans` (x: seconds since the first shown span).
 
@@ -61,10 +61,10 @@ def timeline(spans: pd.DataFrame, steps: int | Iterable[int] | None = None,
     after compute and thinner. Colour = phase; each bar carries its stage's
     name inside it (shown where it fits at a readable size) and a hairline
     outline, so consecutive stages on a worker are told apart without hovering.
-    Dotted lines mark where each step starts.
+    Dotted lines mark where each batch starts.
     Wrap in `go.FigureWidget(...)` for in-place updates in a notebook.
     """
-    df = select_steps(spans, steps)
+    df = select_batches(spans, batches)
     if not len(df):
         return empty_figure("no spans to show (run a stage first)", title)
     t0 = float(df["start"].min())
@@ -77,7 +77,7 @@ def timeline(spans: pd.DataFrame, steps: int | Iterable[int] | None = None,
         part = df[df["phase"] == phase]
         seconds = (part["end"] - part["start"]).to_numpy(dtype=float)
         custom = np.empty((len(part), 9), dtype=object)
-        custom[:, 0] = part["step"].astype(int).to_numpy()
+        custom[:, 0] = part["batch_id"].astype(int).to_numpy()
         custom[:, 1] = part["stage"].astype(str).to_numpy()
         custom[:, 2] = phase
         custom[:, 3] = seconds * 1e3
@@ -95,9 +95,9 @@ def timeline(spans: pd.DataFrame, steps: int | Iterable[int] | None = None,
             textfont=dict(color=label_color(phase_color(phase))), constraintext="inside",
             customdata=custom, hovertemplate=_HOVER,
         ))
-    _step_marks(fig, df, t0)
+    _batch_marks(fig, df, t0)
     fig.update_layout(
-        title=title or f"step timeline ({df['mode'].iloc[0] or 'spans'}, steps {_step_list(df)})",
+        title=title or f"timeline ({df['mode'].iloc[0] or 'spans'}, batches {_batch_list(df)})",
         barmode="overlay", bargap=0.15, template="plotly_white", hovermode="closest",
         uniformtext=dict(minsize=LABEL_MIN_PX, mode="hide"),
         height=max(360, 90 + 34 * len(rows)), legend=dict(traceorder="normal", title="phase"),
@@ -109,20 +109,20 @@ def timeline(spans: pd.DataFrame, steps: int | Iterable[int] | None = None,
     return fig
 
 
-def _step_list(df: pd.DataFrame) -> str:
-    steps = sorted(int(s) for s in df["step"].unique())
+def _batch_list(df: pd.DataFrame) -> str:
+    steps = sorted(int(s) for s in df["batch_id"].unique())
     return ", ".join(map(str, steps)) if len(steps) <= 6 else f"{steps[0]}..{steps[-1]}"
 
 
-def _step_marks(fig: go.Figure, df: pd.DataFrame, t0: float) -> None:
-    """A faint dotted line and a label where each step's first span starts."""
-    starts = df.groupby("step")["start"].min().sort_index() - t0
+def _batch_marks(fig: go.Figure, df: pd.DataFrame, t0: float) -> None:
+    """A faint dotted line and a label where each batch's first span starts."""
+    starts = df.groupby("batch_id")["start"].min().sort_index() - t0
     label = len(starts) <= 40  # labels would overlap beyond that
     shapes, notes = [], []
-    for step, x in starts.items():
-        shapes.append(dict(type="line", name="step-boundary", x0=x, x1=x, y0=0, y1=1, xref="x", yref="paper",
+    for batch_id, x in starts.items():
+        shapes.append(dict(type="line", name="batch-boundary", x0=x, x1=x, y0=0, y1=1, xref="x", yref="paper",
                            line=dict(color="#999", width=1, dash="dot"), layer="below"))
         if label:
-            notes.append(dict(text=f"step {int(step)}", x=x, y=1.0, xref="x", yref="paper", showarrow=False,
+            notes.append(dict(text=f"batch {int(batch_id)}", x=x, y=1.0, xref="x", yref="paper", showarrow=False,
                               xanchor="left", yanchor="bottom", font=dict(size=10, color="#666")))
     fig.update_layout(shapes=shapes, annotations=notes)

@@ -23,7 +23,7 @@ Counter tracks ("ph": "C", on the counter process), derived from the spans:
     dispatch puts and collect reads included); or, given `samples` (columns time [unix s],
     name, value), those sampled series instead of / beside it (e.g. Ray's plasma usage).
 Flow events ("ph": "s" / "f", binding to the enclosing slices): with `items`
-(`Session.items()`), one arrow per (step, producer worker, consumer worker, edge) whose
+(`Session.items()`), one arrow per (batch, producer worker, consumer worker, edge) whose
 items crossed workers, from the producer's last span of its stage to the consumer's first
 span of the next stage, with the item count in its name.
 """
@@ -66,7 +66,7 @@ def data_plane_counters(spans: pd.DataFrame) -> pd.DataFrame:
     # An in-span counts from its start and an out-span at its end: a consumer's read can end
     # before the producer's put span does (the producer still awaits its acks), never before it began.
     moving = moving.assign(t=np.where(moving["incoming"], moving["start"], moving["end"]))
-    for _, df in moving.sort_values("t", kind="stable").groupby("step", sort=True):
+    for _, df in moving.sort_values("t", kind="stable").groupby("batch_id", sort=True):
         firsts: dict[str, float] = {}
         for r in df.itertuples(index=False):
             if r.worker != DRIVER and r.incoming:
@@ -102,11 +102,11 @@ def _flows(df: pd.DataFrame, items: pd.DataFrame, t0: float, pid_of, scale: floa
     """Flow arrows for items that changed worker between a stage and the next one they reached."""
     if items is None or not len(items) or not len(df):
         return []
-    it = items.sort_values(["item_id", "step", "stage_index"])
+    it = items.sort_values(["item_id", "batch_id", "stage_index"])
     same = (it["item_id"].to_numpy()[1:] == it["item_id"].to_numpy()[:-1]) & \
-           (it["step"].to_numpy()[1:] == it["step"].to_numpy()[:-1])
+           (it["batch_id"].to_numpy()[1:] == it["batch_id"].to_numpy()[:-1])
     a, b = it.iloc[:-1][same], it.iloc[1:][same]
-    hops = pd.DataFrame({"step": a["step"].to_numpy(), "src_stage": a["stage"].to_numpy(),
+    hops = pd.DataFrame({"batch_id": a["batch_id"].to_numpy(), "src_stage": a["stage"].to_numpy(),
                          "src_worker": a["worker"].to_numpy(), "dst_stage": b["stage"].to_numpy(),
                          "dst_worker": b["worker"].to_numpy()})
     hops = hops[hops["src_worker"] != hops["dst_worker"]]
@@ -114,11 +114,11 @@ def _flows(df: pd.DataFrame, items: pd.DataFrame, t0: float, pid_of, scale: floa
         return []
     hops = hops.groupby(list(hops.columns)).size().reset_index(name="items")
     w = df[df["worker"] != DRIVER]
-    last = w.groupby(["step", "stage", "worker"]).agg(node=("node", "first"), end=("end", "max"))
-    first = w.groupby(["step", "stage", "worker"]).agg(node=("node", "first"), start=("start", "min"))
+    last = w.groupby(["batch_id", "stage", "worker"]).agg(node=("node", "first"), end=("end", "max"))
+    first = w.groupby(["batch_id", "stage", "worker"]).agg(node=("node", "first"), start=("start", "min"))
     events, fid = [], 0
     for h in hops.itertuples(index=False):
-        src, dst = (h.step, h.src_stage, h.src_worker), (h.step, h.dst_stage, h.dst_worker)
+        src, dst = (h.batch_id, h.src_stage, h.src_worker), (h.batch_id, h.dst_stage, h.dst_worker)
         if src not in last.index or dst not in first.index:
             continue
         s, f = last.loc[src], first.loc[dst]
@@ -161,7 +161,7 @@ def to_chrome_trace(spans: pd.DataFrame | Iterable[Span], path: str | Path | Non
             "dur": max((r.end - r.start) * 1e6, 0.0),
             "pid": nodes[r.node],
             "tid": int(r.worker),
-            "args": {"step": int(r.step), "stage": r.stage, "bytes": int(r.bytes), "items": int(r.items),
+            "args": {"batch_id": int(r.batch_id), "stage": r.stage, "bytes": int(r.bytes), "items": int(r.items),
                      "tokens": int(r.tokens), "cache_hit": None if pd.isna(r.cache_hit) else bool(r.cache_hit),
                      "mode": r.mode},
         })

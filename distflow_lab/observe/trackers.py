@@ -4,7 +4,7 @@ Weights & Biases, through each tool's own client (optional extra:
 
     loggers = make_loggers(["console", "tensorboard", "mlflow", "wandb"], run_dir, config_dict)
     for rep in reports:                      # StepReports
-        log_step(loggers, rep)               # = for l in loggers: l.log(rep.step, step_metrics(rep))
+        log_step(loggers, rep)               # = for l in loggers: l.log(rep.update, step_metrics(rep))
     close_all(loggers)
 
 Key conventions (what `step_metrics` adds to the stages' own `ctx.log` metrics, which
@@ -13,7 +13,7 @@ keep their names: `reward/mean`, `actor/kl`, `actor/loss`, `response_length/mean
     timing_s/step                  the driver's wall seconds of the step
     timing_s/<stage>               each stage's wall seconds (stage by stage: the driver's call;
                                    whole-step planes: first span start to last span end)
-    timing_s/end_step              the data plane's end-of-step work (ledger, frees)
+    timing_s/end_batch             the data plane's end-of-batch work (ledger, frees)
     perf/total_tokens              tokens (attention-mask sum) of the batch the last stage put out
     perf/tokens_per_s              perf/total_tokens / timing_s/step
     perf/tokens_per_s_per_worker   the same per worker (verl's perf/throughput)
@@ -55,13 +55,13 @@ class Logger(Protocol):
 # ---- the metrics of a step ----------------------------------------------------------------
 
 def step_metrics(report: Any) -> dict[str, float]:
-    """A StepReport's metrics plus timing_s/* and perf/* (see the module docstring)."""
+    """A UpdateReport's metrics plus timing_s/* and perf/* (see the module docstring)."""
     out: dict[str, float] = {k: float(v) for k, v in report.metrics.items()}
     wall = float(report.wall_seconds)
     out["timing_s/step"] = wall
     for st in report.stages:
         out[f"timing_s/{st.stage_id}"] = float(st.wall_seconds)
-    out["timing_s/end_step"] = float(getattr(report, "end_step_seconds", 0.0))
+    out["timing_s/end_batch"] = float(getattr(report, "end_batch_seconds", 0.0))
     last = report.stages[-1] if report.stages else None
     tokens = float(sum(r.tokens_out for r in last.results if r.group_rank == 0)) if last else 0.0
     workers = len({r.worker for st in report.stages for r in st.results}) or 1
@@ -232,10 +232,10 @@ def make_loggers(names: Iterable[str], run_dir: str | Path, config_dict: dict | 
 
 
 def log_step(loggers: Iterable[Logger], report: Any) -> dict[str, float]:
-    """Log one StepReport to every logger; returns the metrics logged."""
+    """Log one UpdateReport to every logger; returns the metrics logged."""
     metrics = step_metrics(report)
     for lg in loggers:
-        lg.log(report.step, metrics)
+        lg.log(report.update, metrics)
     return metrics
 
 

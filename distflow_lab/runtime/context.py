@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 @dataclass(kw_only=True)
 class StageContext:
-    """One stage on one worker in one step. Built in one place (keyword-only)."""
+    """One stage on one worker in one batch. Built in one place (keyword-only)."""
 
-    step: int
+    batch_id: int
     stage: "Stage"
     worker: int
     world_size: int
@@ -70,7 +70,7 @@ class StageContext:
         """Time a part of this stage as its own span (e.g. "weight_sync")."""
         if self.recorder is None:
             return contextlib.nullcontext()
-        return self.recorder.span(self.step, self.stage.id, phase, **counts)
+        return self.recorder.span(self.batch_id, self.stage.id, phase, **counts)
 
     def record(self, phase: str, start: float, end: float) -> None:
         """A span of this stage that was timed apart (wall-clock `time.time()` seconds), e.g. a multi-turn
@@ -78,12 +78,12 @@ class StageContext:
         if self.recorder is not None and end > start:
             if phase not in PHASES:
                 raise ValueError(f"unknown phase {phase!r}; phases: {PHASES}")
-            self.recorder.add(Span(self.step, self.stage.id, self.recorder.worker, self.recorder.node, phase,
+            self.recorder.add(Span(self.batch_id, self.stage.id, self.recorder.worker, self.recorder.node, phase,
                                    start, end, mode=self.recorder.mode))
 
     @property
     def rng(self) -> torch.Generator:
-        """Seeded by (seed, step, stage, dp rank): the same rows see the same randomness in every mode."""
+        """Seeded by (seed, batch, stage, dp rank): the same rows see the same randomness in every mode."""
         if self._rng is None:
             self._rng = torch.Generator().manual_seed(self.seed)
         return self._rng
@@ -99,23 +99,23 @@ class StageContext:
             self.counts[k] = self.counts.get(k, 0.0) + float(v)
 
 
-def stage_seed(seed: int, step: int, stage: int, dp_rank: int) -> int:
-    return int(np.random.SeedSequence([seed, step, stage, dp_rank]).generate_state(1)[0])
+def stage_seed(seed: int, batch_id: int, stage: int, dp_rank: int) -> int:
+    return int(np.random.SeedSequence([seed, batch_id, stage, dp_rank]).generate_state(1)[0])
 
 
-def stage_context(stage: "Stage", *, step: int, worker: int, world_size: int, session_seed: int,
+def stage_context(stage: "Stage", *, batch_id: int, worker: int, world_size: int, session_seed: int,
                   dp_rank: int | None = None, **fields: Any) -> StageContext:
-    """The context of `stage` on `worker` in `step`, its seed derived from the session's."""
+    """The context of `stage` on `worker` in `batch_id`, its seed derived from the session's."""
     dp = stage.dp_rank(worker) if dp_rank is None else dp_rank
-    return StageContext(step=step, stage=stage, worker=worker, world_size=world_size, dp_rank=dp,
-                        seed=stage_seed(session_seed, step, stage.index, dp), **fields)
+    return StageContext(batch_id=batch_id, stage=stage, worker=worker, world_size=world_size, dp_rank=dp,
+                        seed=stage_seed(session_seed, batch_id, stage.index, dp), **fields)
 
 
-def local_context(plan: "Plan", stage: str, step: int = 0, dp_rank: int = 0, seed: int = 0, config: Any = None,
+def local_context(plan: "Plan", stage: str, batch_id: int = 0, dp_rank: int = 0, seed: int = 0, config: Any = None,
                   engines: Any = None) -> StageContext:
     """A context for calling a stage function by hand, outside Ray (tests, notebooks):
     `fn(batch, local_context(dag.plan(4), "advantage"))`."""
     st = plan.stage(stage)
-    return stage_context(st, step=step, worker=st.worker_of(dp_rank), world_size=plan.world_size,
+    return stage_context(st, batch_id=batch_id, worker=st.worker_of(dp_rank), world_size=plan.world_size,
                          session_seed=seed, dp_rank=dp_rank, config=config, engines=engines if engines is not None else StageState(),
                          roles=frozenset(s.role for s in plan.stages))  # by hand: every role's engines

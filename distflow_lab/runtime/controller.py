@@ -4,17 +4,17 @@ It holds a data plane (`dataplane.interface.DataPlane`) and a schedule
 (`runtime.schedule.Schedule`, named by `schedule.kind`) and asks neither which one it is.
 It owns the cursor (the updates done), places and starts the workers, builds the
 schedule's `Dispatch` (calls to workers, the one gather of runtime/gather.py, the data
-plane's step ends, recovery), records every finished update in one place (`_record`:
+plane's batch ends, recovery), records every finished update in one place (`_record`:
 history, metrics, ledger), turns a failure into the session's state by the schedule's
 own rule (`Schedule.failed`), and writes and loads checkpoints (the schedule's part is
 `Schedule.state()`).
 
-    step():  schedule.step() -> StepReport -> _record
-             (sync, runtime/schedule_sync.py: plane.begin_step, the stages, plane.end_step;
+    step():  schedule.step() -> UpdateReport -> _record
+             (sync, runtime/schedule_sync.py: plane.begin_batch, the stages, plane.end_batch;
               one_step_off / async, runtime/schedule_lanes.py: Lanes on two worker groups)
     failure: schedule.failed(err) -> None (the same update can run again) or why the session is broken
 
-The driver keeps only metadata: step reports (timings, counts, metrics). It
+The driver keeps only metadata: update reports (timings, counts, metrics). It
 counts the pickled bytes of everything workers send it (`bytes_to_driver`, as each worker
 measured its own answer), so a test can show which modes move payloads through it.
 """
@@ -49,7 +49,7 @@ from distflow_lab.runtime.profiling import ProfileSpec
 from distflow_lab.runtime.progress import stage_reached
 from distflow_lab.runtime.placement import Placement, default_threads, free_port, node_ip, place_workers, release
 from distflow_lab.runtime.gather import StageName, any_failed, gather, settle, wait
-from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, StepReport
+from distflow_lab.runtime.results import LEDGER_COLUMNS, StageReport, UpdateReport
 from distflow_lab.runtime.schedule import Dispatch, Schedule, ScheduleSetup, open_schedule
 from distflow_lab.runtime import schedule_lanes, schedule_sync  # noqa: F401  (they register their schedules)
 from distflow_lab.runtime.weights import WeightBoard, board_keep
@@ -72,14 +72,14 @@ class Controller:
         self.routing = routing or Routing(config.switches.balance)
         self.plan: Plan = dag.plan(config.cluster.world_size)
         self.mode = plane.mode
-        self.step_index = 0  # training updates done: the cursor
-        self.history: deque[StepReport] = deque(maxlen=config.history_steps)
+        self.updates = 0  # training updates done: the cursor
+        self.history: deque[UpdateReport] = deque(maxlen=config.history_steps)
         self.metric_rows: list[dict] = []
         self.ledger_rows: list[dict] = []  # kept by the driver: they survive a data-plane actor's restart
-        self.retries: list[dict] = []  # steps re-run after a data-plane actor died
+        self.retries: list[dict] = []  # batches re-run after a data-plane actor died
         self.metadata_bytes = 0
-        self.driver_calls = 0  # stage and step calls to workers, cumulative
-        self.broken: str | None = None  # why the workers cannot run another step (until resume())
+        self.driver_calls = 0  # stage and batch calls to workers, cumulative
+        self.broken: str | None = None  # why the workers cannot run another update (until resume())
         self.last_checkpoint: Path | None = None
         self.placement: Placement | None = None
         self.board = None  # the WeightBoard, when generation and training run on disjoint groups
@@ -245,7 +245,7 @@ class Controller:
             self._record(done)
         return report
 
-    def step(self) -> StepReport:
+    def step(self) -> UpdateReport:
         """Run the schedule until one more training update has finished (the rest of it, after
         step_stage calls); its report."""
         self._check_usable()
@@ -256,22 +256,22 @@ class Controller:
             raise
         return self._record(report)
 
-    def run(self, steps: int, progress: bool = True) -> list[StepReport]:
+    def run(self, steps: int, progress: bool = True) -> list[UpdateReport]:
         out = []
-        bar = tqdm(range(steps), desc=f"{self.mode} steps", disable=not progress, leave=False)
+        bar = tqdm(range(steps), desc=f"{self.mode} updates", disable=not progress, leave=False)
         for _ in bar:
             out.append(self.step())
             bar.set_postfix({k: round(v, 4) for k, v in list(out[-1].metrics.items())[:4]})
         bar.close()
         return out
 
-    def _record(self, report: StepReport) -> StepReport:
+    def _record(self, report: UpdateReport) -> UpdateReport:
         """The one place a finished update is recorded (history, metrics, the schedule's ledger
         rows); the cursor moves past it."""
         self.ledger_rows.extend(self.schedule.take_ledger())
         self.history.append(report)
-        self.metric_rows.append({"step": report.step, "wall_s": report.wall_seconds, **report.metrics})
-        self.step_index = report.step + 1
+        self.metric_rows.append({"update": report.update, "wall_s": report.wall_seconds, **report.metrics})
+        self.updates = report.update + 1
         return report
 
     def _failed(self, err: StageError) -> None:
@@ -285,11 +285,11 @@ class Controller:
         """The session's schedule, after the updates done so far (or as a checkpoint's `schedule`
         state left it). It reaches the workers and the data plane through this Dispatch only."""
         dispatch = Dispatch(call=self._call, gather=self._gather, wait=wait, failed=any_failed, now=time.monotonic,
-                            abort=self._abort, end_step=self.plane.end_step, timeout=self._timeout,
+                            abort=self._abort, end_batch=self.plane.end_batch, timeout=self._timeout,
                             rpcs=lambda: self.driver_calls + self.plane.rpcs, recover=self._recover,
                             reached=self._reached, retried=self.retries.append)
         return open_schedule(ScheduleSetup(self.plan, self.mode, self.config.schedule, dispatch, self.plane,
-                                           self.step_index, state))
+                                           self.updates, state))
 
     def _timeout(self, stage: Stage) -> float:
         return stage.timeout_s or self.config.cluster.stage_timeout_s
@@ -299,36 +299,36 @@ class Controller:
         return [getattr(self.workers[w], method).remote(*args) for w in workers]
 
     def _reached(self, worker: int) -> str | None:
-        """The stage `worker` last reached (its progress board), e.g. inside a whole-step call."""
+        """The stage `worker` last reached (its progress board), e.g. inside a whole-batch call."""
         return stage_reached(self.session_id, worker, self.placement.worker_nodes[worker])
 
-    def _gather(self, refs: list, step: int, stage: StageName, limit_s: float, workers: list[int] | None = None) -> list:
+    def _gather(self, refs: list, batch_id: int, stage: StageName, limit_s: float, workers: list[int] | None = None) -> list:
         """Every answer of `refs` (the calls to `workers`, default all in rank order) within `limit_s`,
-        or the named error (runtime/gather.py) with the step aborted in the data plane."""
+        or the named error (runtime/gather.py) with the batch aborted in the data plane."""
         self._inflight = list(refs)
         self.driver_calls += len(refs)
-        return gather(refs, workers if workers is not None else list(range(len(refs))), step, stage, limit_s,
+        return gather(refs, workers if workers is not None else list(range(len(refs))), batch_id, stage, limit_s,
                       self._abort, received=self._received)
 
     def _received(self, nbytes: int) -> None:
         """What the driver received from workers, as they measured it (runtime/gather.py: `sized`)."""
         self.metadata_bytes += nbytes
 
-    def _abort(self, step: int, reason: str) -> None:
-        """Unblock workers waiting on this step inside the data plane."""
+    def _abort(self, batch_id: int, reason: str) -> None:
+        """Unblock workers waiting on this batch inside the data plane."""
         try:
-            self.plane.abort(step, reason)
+            self.plane.abort(batch_id, reason)
         except RayError:  # an actor that is gone has no waiters
             pass
 
-    def _recover(self, step: int, grace_s: float | None = None) -> bool:
-        """Make `step` runnable again: every worker out of it, the data plane's state of
+    def _recover(self, batch_id: int, grace_s: float | None = None) -> bool:
+        """Make `batch_id` runnable again: every worker out of it, the data plane's state of
         it gone, every loader back at its start. False if that is not possible."""
         grace = min(60.0, self.config.cluster.stage_timeout_s) if grace_s is None else grace_s
         if not settle(self._inflight, grace):
             return False
         try:
-            self.ledger_rows.extend(self.plane.reset_step(step))
+            self.ledger_rows.extend(self.plane.reset_batch(batch_id))
             ray.get([w.rewind.remote() for w in self.workers], timeout=30)
         except (PlaneLost, RayError):
             return False
@@ -354,10 +354,10 @@ class Controller:
     def _in_progress(self) -> list[StageReport]:
         return list(self.schedule.current) if self.schedule is not None else []
 
-    def _reports(self) -> list[StepReport]:
-        """Every step report kept, and the stages run so far of the update in progress."""
+    def _reports(self) -> list[UpdateReport]:
+        """Every update report kept, and the stages run so far of the update in progress."""
         now = self._in_progress()
-        return [*self.history, *([StepReport(self.step_index, self.mode, now, 0.0)] if now else [])]
+        return [*self.history, *([UpdateReport(self.updates, self.mode, now, 0.0)] if now else [])]
 
     @property
     def metrics(self) -> pd.DataFrame:
@@ -372,41 +372,41 @@ class Controller:
         for rep in self._reports():
             for st in rep.stages:
                 for r in st.results:
-                    rows += [{"step": r.step, "stage": r.stage_id, "worker": r.worker, **row} for row in r.weight_syncs]
+                    rows += [{"batch_id": r.batch_id, "stage": r.stage_id, "worker": r.worker, **row} for row in r.weight_syncs]
                     if not r.weight_syncs:
-                        rows += [{"step": r.step, "stage": r.stage_id, "worker": r.worker, "side": "colocated",
+                        rows += [{"batch_id": r.batch_id, "stage": r.stage_id, "worker": r.worker, "side": "colocated",
                                   "bytes": sp.bytes, "tensors": sp.items, "seconds": sp.seconds,
                                   "gbps": sp.bytes / sp.seconds / 1e9 if sp.seconds > 0 else float("nan")}
                                  for sp in r.spans if sp.phase == "weight_sync" and sp.bytes]
         return pd.DataFrame(rows)
 
     def items(self) -> pd.DataFrame:
-        """One row per (step, stage, item) the driver kept: the item's id, token length,
+        """One row per (batch, stage, item) the driver kept: the item's id, token length,
         policy version and model turns (when its rows carry them; else -1), the worker and data-parallel rank that
         produced it, how its input arrived, and the training update it belongs to (`update`;
-        the same as `step`, the data key, except in the async schedules)."""
+        the same as `batch_id`, the data key, except in the async schedules)."""
         frames = []
         for rep in self._reports():
             for st in rep.stages:
                 for r in st.results:
                     if r.item_ids is not None and len(r.item_ids):
                         frames.append(pd.DataFrame({
-                            "step": r.step, "update": rep.step, "stage": r.stage_id, "stage_index": r.stage,
+                            "batch_id": r.batch_id, "update": rep.update, "stage": r.stage_id, "stage_index": r.stage,
                             "worker": r.worker, "dp_rank": r.dp_rank, "route_in": r.route_in, "item_id": r.item_ids,
                             "tokens": r.item_tokens,
                             "version": r.item_versions if r.item_versions is not None else -1,
                             "turns": r.item_turns if r.item_turns is not None else -1}))
-        cols = ["step", "update", "stage", "stage_index", "worker", "dp_rank", "route_in", "item_id", "tokens",
+        cols = ["batch_id", "update", "stage", "stage_index", "worker", "dp_rank", "route_in", "item_id", "tokens",
                 "version", "turns"]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=cols)
 
     def ledger(self) -> pd.DataFrame:
-        """Items in and out of the data plane per (step, edge): nothing lost, nothing duplicated.
-        Collected by the driver at every step end, so it survives an actor restart."""
+        """Items in and out of the data plane per (batch, edge): nothing lost, nothing duplicated.
+        Collected by the driver at every batch end, so it survives an actor restart."""
         if not self.ledger_rows:
-            return pd.DataFrame(columns=["step", "edge", *LEDGER_COLUMNS])
-        df = pd.DataFrame(self.ledger_rows).reindex(columns=["step", "edge", *LEDGER_COLUMNS]).fillna(0)
-        return df.groupby(["step", "edge"], as_index=False)[list(LEDGER_COLUMNS)].sum().astype(
+            return pd.DataFrame(columns=["batch_id", "edge", *LEDGER_COLUMNS])
+        df = pd.DataFrame(self.ledger_rows).reindex(columns=["batch_id", "edge", *LEDGER_COLUMNS]).fillna(0)
+        return df.groupby(["batch_id", "edge"], as_index=False)[list(LEDGER_COLUMNS)].sum().astype(
             {c: "int64" for c in LEDGER_COLUMNS})
 
     def peek(self, stage: str, worker: int = 0, n: int = 4, columns: list[str] | None = None):
@@ -424,7 +424,7 @@ class Controller:
 
     def redistribution_lengths(self) -> dict[str, tuple[np.ndarray, int]]:
         """For each redistribute edge: the token length of every item its producers
-        emitted in the latest step (global order) and the consumers' dp size."""
+        emitted in the latest batch (global order) and the consumers' dp size."""
         out = {}
         for e in self.plan.edges:
             if e.kind != "redistribute":
@@ -436,9 +436,9 @@ class Controller:
                 out[e.name] = (np.concatenate(parts), dst.dp)
         return out
 
-    def driver_context(self, step: int, stage: Stage, dp_rank: int, loader: Any) -> Any:
+    def driver_context(self, batch_id: int, stage: Stage, dp_rank: int, loader: Any) -> Any:
         """The context the driver runs a stage with (centralized data loading)."""
-        return stage_context(stage, step=step, worker=dp_rank * stage.group_size, world_size=len(self.workers),
+        return stage_context(stage, batch_id=batch_id, worker=dp_rank * stage.group_size, world_size=len(self.workers),
                              session_seed=self.config.seed, dp_rank=dp_rank, config=self.config.algo, loader=loader)
 
     # ---- checkpoints ---------------------------------------------------------------------
@@ -452,7 +452,7 @@ class Controller:
         return fp
 
     def save_checkpoint(self, directory: str | Path) -> Path:
-        """Trainable engines, optimizer state, loader positions and the step, between steps.
+        """Trainable engines, optimizer state, loader positions and the update count, between updates.
         On worker groups also the schedule's state: the policy version, the batches generated
         but not yet trained (with the versions they came from, whose policies the WeightBoard
         holds and the checkpoint keeps) and the batch to read next; a resumed run replays them.
@@ -460,7 +460,7 @@ class Controller:
         a write killed halfway never leaves a folder that loads."""
         self._check_usable()
         if self.next_stage != 0:
-            raise RuntimeError(f"checkpoint between steps only: step {self.step_index} is at stage "
+            raise RuntimeError(f"checkpoint between updates only: update {self.updates} is at stage "
                                f"{self.next_stage}; call step() to finish it first")
         d = Path(directory)
         tmp = d.with_name(f".{d.name}.partial-{os.getpid()}")
@@ -468,16 +468,16 @@ class Controller:
         tmp.mkdir(parents=True)
         try:
             schedule = self._schedule_state()
-            resume_step, versions = schedule["next_batch"], tuple(schedule["keep_versions"])
-            self._gather([w.save_checkpoint.remote(str(tmp), self.step_index, resume_step, versions)
-                          for w in self.workers], self.step_index, "save_checkpoint",
+            resume_batch, versions = schedule["next_batch"], tuple(schedule["keep_versions"])
+            self._gather([w.save_checkpoint.remote(str(tmp), self.updates, resume_batch, versions)
+                          for w in self.workers], self.updates, "save_checkpoint",
                          SETUP_STAGES * self.config.cluster.stage_timeout_s)
         except StageError as e:  # a worker died or failed mid-write: the partial folder never loads
             self.broken = (f"checkpoint {d} failed ({type(e).__name__}): call resume() to restart from the last "
                            "complete checkpoint")
             raise
         self.plane.save(tmp)
-        (tmp / "state.json").write_text(json.dumps({"next_step": self.step_index, "mode": self.mode,
+        (tmp / "state.json").write_text(json.dumps({"next_update": self.updates, "mode": self.mode,
                                                     "fingerprint": self.fingerprint(), "schedule": schedule},
                                                    indent=1))
         write_manifest(tmp)
@@ -510,15 +510,16 @@ class Controller:
         if diff:
             raise CheckpointError(f"checkpoint {d} is from another configuration: "
                                   + "; ".join(f"{k}: checkpoint {a!r} vs session {b!r}" for k, (a, b) in diff.items()))
-        for batch in self.schedule.discard():  # batches generated ahead of the loaded step are never trained
-            self.ledger_rows.extend(self.plane.reset_step(batch))
-        self._gather([w.load_checkpoint.remote(str(d)) for w in self.workers], state["next_step"], "load_checkpoint",
+        next_update = state.get("next_update", state.get("next_step"))  # "next_step": before the rename
+        for batch_id in self.schedule.discard():  # batches generated ahead of the loaded update are never trained
+            self.ledger_rows.extend(self.plane.reset_batch(batch_id))
+        self._gather([w.load_checkpoint.remote(str(d)) for w in self.workers], next_update, "load_checkpoint",
                      SETUP_STAGES * self.config.cluster.stage_timeout_s)
         self.plane.load(d)
-        self.step_index = state["next_step"]
-        self.schedule = self._open_schedule(state.get("schedule"))  # after the loaded step, replaying what was in flight
+        self.updates = next_update
+        self.schedule = self._open_schedule(state.get("schedule"))  # after the loaded update, replaying what was in flight
         self.last_checkpoint = d
-        return self.step_index
+        return self.updates
 
     def resume(self, directory: str | Path | None = None) -> int:
         """After a failure (a worker died, a stage timed out): restart every worker and

@@ -1,18 +1,18 @@
 """The one gather: wait for calls to workers within a deadline, or raise the named error.
 
-Every path that waits on workers (set-up, a stage, a whole step, a segment of a
+Every path that waits on workers (set-up, a stage, a whole batch, a segment of a
 schedule on worker groups, checkpoints) goes through `gather`, so a failure reads
 the same wherever it happens:
 
     a stage raised on a worker       -> its StageError (kept subclass: BufferLost, ...)
-                                        or StageError("stage 's' failed on worker w (step t): ...")
-    a worker died (or is unreachable) -> WorkerLost("worker w died during stage 's' of step t")
+                                        or StageError("stage 's' failed on worker w (batch t): ...")
+    a worker died (or is unreachable) -> WorkerLost("worker w died during stage 's' of batch t")
     a collective broke because a peer died -> WorkerLost naming the dead peer, not the survivor
     past the deadline                -> StageTimeout naming the late workers
 
-Before raising, `abort(step, reason)` releases whatever waits on the step in the data plane.
+Before raising, `abort(batch, reason)` releases whatever waits on the batch in the data plane.
 `stage` is the stage's id, or a function of the worker that names the stage it reached (a
-whole step or a segment runs several stages in one call).
+whole batch or a segment runs several stages in one call).
 
 Workers report the size of their own answers: a worker method decorated `@sized` returns an
 `Answer` (the value and its pickled bytes, measured on the worker), which `gather` unwraps and
@@ -58,10 +58,10 @@ def sized(method: Callable) -> Callable:
     return answer
 
 
-def gather(refs: list, workers: list[int], step: int, stage: StageName, limit_s: float,
+def gather(refs: list, workers: list[int], batch_id: int, stage: StageName, limit_s: float,
            abort: Callable[[int, str], None], received: Callable[[int], None] = lambda nbytes: None) -> list:
     """Every answer of `refs` (the calls to `workers`, in that order) within `limit_s`, unwrapped
-    (`received` is told their bytes); on the first failure or past the deadline: `abort` the step,
+    (`received` is told their bytes); on the first failure or past the deadline: `abort` the batch,
     then raise the named StageError."""
     index = dict(zip(refs, workers))
     pending, deadline = list(refs), time.monotonic() + limit_s
@@ -70,11 +70,11 @@ def gather(refs: list, workers: list[int], step: int, stage: StageName, limit_s:
         if not ready:
             late = sorted(index[r] for r in pending)
             name = _name(stage, late[0])
-            abort(step, f"stage {name!r} timed out on workers {late}")
-            raise StageTimeout(f"stage {name!r} of step {step} did not finish within {limit_s:.0f}s on workers "
-                               f"{late} (the node's timeout_s, or cluster.stage_timeout_s)", step=step,
+            abort(batch_id, f"stage {name!r} timed out on workers {late}")
+            raise StageTimeout(f"stage {name!r} of batch {batch_id} did not finish within {limit_s:.0f}s on workers "
+                               f"{late} (the node's timeout_s, or cluster.stage_timeout_s)", batch_id=batch_id,
                                stage=name, worker=late[0])
-        _check(ready[0], step, stage, index[ready[0]], pending, index, abort)
+        _check(ready[0], batch_id, stage, index[ready[0]], pending, index, abort)
     out = ray.get(refs, timeout=60)
     received(sum(a.nbytes for a in out if isinstance(a, Answer)))
     return [a.value if isinstance(a, Answer) else a for a in out]
@@ -84,7 +84,7 @@ def _name(stage: StageName, worker: int) -> str:
     return stage if isinstance(stage, str) else stage(worker)
 
 
-def _check(ref, step: int, stage: StageName, worker: int, pending: list, index: dict,
+def _check(ref, batch_id: int, stage: StageName, worker: int, pending: list, index: dict,
            abort: Callable[[int, str], None]) -> None:
     """Raise the named error if this finished call failed."""
     try:
@@ -95,24 +95,24 @@ def _check(ref, step: int, stage: StageName, worker: int, pending: list, index: 
         cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else None
         if PEER_LOST.search(str(cause or e)) and (dead := _dead_peer(pending, index)) is not None:
             worker, e = dead  # a collective broke because a peer died: the death is the error to name
-            raise _lost(step, stage, worker, e, abort) from None
+            raise _lost(batch_id, stage, worker, e, abort) from None
         name = _name(stage, worker)
-        abort(step, f"stage {name!r} failed on worker {worker}")
+        abort(batch_id, f"stage {name!r} failed on worker {worker}")
         if isinstance(cause, StageError):  # keep the subclass (BufferLost, StageContractError, ...)
-            raise type(cause)(cause.summary, step=cause.step, stage=cause.stage, worker=cause.worker,
+            raise type(cause)(cause.summary, batch_id=cause.batch_id, stage=cause.stage, worker=cause.worker,
                               remote_traceback=cause.remote_traceback) from None
-        raise StageError(f"stage {name!r} failed on worker {worker} (step {step}): "
-                         f"{type(cause or e).__name__}: {cause or e}", step=step, stage=name, worker=worker,
+        raise StageError(f"stage {name!r} failed on worker {worker} (batch {batch_id}): "
+                         f"{type(cause or e).__name__}: {cause or e}", batch_id=batch_id, stage=name, worker=worker,
                          remote_traceback=str(e)) from None
     except RayError as e:  # the actor died (RayActorError) or is unreachable (ActorUnavailableError)
-        raise _lost(step, stage, worker, e, abort) from None
+        raise _lost(batch_id, stage, worker, e, abort) from None
 
 
-def _lost(step: int, stage: StageName, worker: int, e: Exception, abort: Callable[[int, str], None]) -> WorkerLost:
+def _lost(batch_id: int, stage: StageName, worker: int, e: Exception, abort: Callable[[int, str], None]) -> WorkerLost:
     name = _name(stage, worker)
-    abort(step, f"worker {worker} died during stage {name!r}")
-    return WorkerLost(f"worker {worker} died during stage {name!r} of step {step}: {type(e).__name__}",
-                      step=step, stage=name, worker=worker, remote_traceback=str(e))
+    abort(batch_id, f"worker {worker} died during stage {name!r}")
+    return WorkerLost(f"worker {worker} died during stage {name!r} of batch {batch_id}: {type(e).__name__}",
+                      batch_id=batch_id, stage=name, worker=worker, remote_traceback=str(e))
 
 
 def _dead_peer(pending: list, index: dict) -> tuple[int, Exception] | None:

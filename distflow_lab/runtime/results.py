@@ -2,7 +2,7 @@
 
 `StageResult` is one worker's account of one stage; `StageReport` gathers all
 workers' results for a stage (plus the driver's own spans in centralized mode;
-`stage_reports` groups a segment's results by stage); `StepReport` a whole step.
+`stage_reports` groups a segment's results by stage); `UpdateReport` a whole training update.
 All have rich notebook reprs. Ledger rows have one shape, `ledger_row`.
 """
 from __future__ import annotations
@@ -20,13 +20,13 @@ from distflow_lab.dataplane.interface import LEDGER_COLUMNS, ledger_row
 if TYPE_CHECKING:
     from distflow_lab.graph.planner import Stage
 
-__all__ = ["LEDGER_COLUMNS", "ledger_row", "StageResult", "StageReport", "StepReport", "aggregate_metrics",
+__all__ = ["LEDGER_COLUMNS", "ledger_row", "StageResult", "StageReport", "UpdateReport", "aggregate_metrics",
            "stage_reports"]
 
 
 @dataclass
 class StageResult:
-    step: int
+    batch_id: int
     stage: int
     stage_id: str
     worker: int
@@ -78,7 +78,7 @@ def aggregate_metrics(results: list[StageResult]) -> dict[str, float]:
 
 @dataclass
 class StageReport:
-    step: int
+    batch_id: int
     stage: int
     stage_id: str
     mode: str
@@ -112,7 +112,7 @@ class StageReport:
     def summary(self) -> dict[str, Any]:
         hits = [r.cache_hit for r in self.results if r.cache_hit is not None]
         return {
-            "step": self.step, "stage": self.stage_id, "mode": self.mode, "wall_s": round(self.wall_seconds, 4),
+            "batch_id": self.batch_id, "stage": self.stage_id, "mode": self.mode, "wall_s": round(self.wall_seconds, 4),
             "items": sum(r.items_out for r in self.results if r.group_rank == 0),
             "tokens": sum(r.tokens_out for r in self.results if r.group_rank == 0),
             "bytes_moved": sum(r.bytes_in for r in self.results if r.route_in in ("buffer", "driver")),
@@ -121,13 +121,13 @@ class StageReport:
 
     def __repr__(self) -> str:
         s = self.summary()
-        return (f"StageReport(step={s['step']}, stage={s['stage']!r}, mode={s['mode']}, wall={s['wall_s']}s, "
+        return (f"StageReport(batch={s['batch_id']}, stage={s['stage']!r}, mode={s['mode']}, wall={s['wall_s']}s, "
                 f"items={s['items']}, bytes_moved={s['bytes_moved']}, hits={s['cache_hits']}, "
                 f"misses={s['cache_misses']}, metrics={self.metrics})")
 
     def _repr_html_(self) -> str:
         s = self.summary()
-        head = (f"<b>stage {html.escape(s['stage'])}</b> · step {s['step']} · {s['mode']} · "
+        head = (f"<b>stage {html.escape(s['stage'])}</b> · batch {s['batch_id']} · {s['mode']} · "
                 f"{s['wall_s']:.3f} s · {s['items']} items · {s['tokens']} tokens · "
                 f"{s['bytes_moved'] / 2**20:.1f} MiB moved · cache {s['cache_hits']} hit / {s['cache_misses']} miss")
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
@@ -135,7 +135,7 @@ class StageReport:
         return head + (f"<br><small>{html.escape(metrics)}</small>" if metrics else "") + table
 
 
-def stage_reports(step: int, stages: "list[Stage]", mode: str, per_worker: list[list[StageResult]]
+def stage_reports(batch_id: int, stages: "list[Stage]", mode: str, per_worker: list[list[StageResult]]
                   ) -> list[StageReport]:
     """Every worker's results of a run of `stages` (one list per worker, in any order),
     grouped into one StageReport per stage, in the order of `stages`; a stage's wall time
@@ -149,23 +149,23 @@ def stage_reports(step: int, stages: "list[Stage]", mode: str, per_worker: list[
         results = by_stage.get(st.index, [])
         spans = [s for r in results for s in r.spans]
         wall = max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
-        out.append(StageReport(step, st.index, st.id, mode, results, wall_seconds=wall))
+        out.append(StageReport(batch_id, st.index, st.id, mode, results, wall_seconds=wall))
     return out
 
 
 @dataclass
-class StepReport:
-    step: int
+class UpdateReport:
+    update: int  # the training update this report is of (metrics' `update` column)
     mode: str
     stages: list[StageReport]
     wall_seconds: float
-    end_step_seconds: float = 0.0
-    driver_rpcs: int = 0  # Ray calls the driver made for this step (stage calls, data-plane calls)
+    end_batch_seconds: float = 0.0
+    driver_rpcs: int = 0  # Ray calls the driver made for this update (stage calls, data-plane calls)
     extra_metrics: dict[str, float] = field(default_factory=dict)  # the schedule's own (staleness, idle, ...)
 
     @property
     def rpcs(self) -> int:
-        """Every Ray call of the step: the driver's and every worker's data-plane port's."""
+        """Every Ray call of the update: the driver's and every worker's data-plane port's."""
         return self.driver_rpcs + sum(r.rpcs for s in self.stages for r in s.results)
 
     @property
@@ -183,9 +183,9 @@ class StepReport:
         return pd.DataFrame([s.summary() for s in self.stages])
 
     def __repr__(self) -> str:
-        return f"StepReport(step={self.step}, mode={self.mode}, wall={self.wall_seconds:.3f}s, metrics={self.metrics})"
+        return f"UpdateReport(update={self.update}, mode={self.mode}, wall={self.wall_seconds:.3f}s, metrics={self.metrics})"
 
     def _repr_html_(self) -> str:
         metrics = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items())
-        return (f"<b>step {self.step}</b> · {self.mode} · {self.wall_seconds:.3f} s"
+        return (f"<b>update {self.update}</b> · {self.mode} · {self.wall_seconds:.3f} s"
                 f"<br><small>{html.escape(metrics)}</small>" + self.table().to_html(index=False))

@@ -1,14 +1,14 @@
 """The schedule as a unit: what the controller holds beside its data plane.
 
 The controller owns the cursor (updates done), records each finished update, and
-turns failures into a session state; *how* steps run, overlap and recover is the
+turns failures into a session state; *how* batches and updates run, overlap and recover is the
 schedule's. A schedule is a row of facts in `core.config.SCHEDULES` and a class (or
 factory) registered under the same name with `@runs(name)`, built from a
-`ScheduleSetup`. It reaches the workers, the data plane's step ends and the clock only
+`ScheduleSetup`. It reaches the workers, the data plane's batch ends and the clock only
 through `Dispatch`: the live controller gives it Ray calls and the wall clock, the
 what-if replay (experiments/sim_dispatch.py) simulated ones.
 
-    sync          runtime/schedule_sync.py   one step at a time on every worker (stage by stage, or whole)
+    sync          runtime/schedule_sync.py   one batch at a time on every worker (stage by stage, or whole)
     one_step_off  runtime/schedule_lanes.py  Lanes: generation and training on two worker groups, k = 1
     async         runtime/schedule_lanes.py  Lanes, k = max_staleness, partial rollouts optional
 
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from distflow_lab.core.config import SCHEDULES, ScheduleOptions
 from distflow_lab.core.errors import ConfigError, StageError
-from distflow_lab.dataplane.interface import DataPlane, EndOfStep
+from distflow_lab.dataplane.interface import DataPlane, EndOfBatch
 from distflow_lab.graph.planner import Plan, Stage
 
 if TYPE_CHECKING:
     from distflow_lab.runtime.gather import StageName
-    from distflow_lab.runtime.results import StageReport, StepReport
+    from distflow_lab.runtime.results import StageReport, UpdateReport
 
 
 @dataclass(frozen=True)
@@ -37,19 +37,19 @@ class Dispatch:
     simulation builds another)."""
 
     call: Callable[[str, list[int], tuple], list]  # (method, workers, args): start it on each worker -> refs
-    gather: Callable[["list", int, "StageName", float, list[int]], list]  # (refs, step, stage, limit_s, workers)
-    # -> answers; on a failure or past limit_s it aborts the step and raises a named StageError (runtime/gather.py)
+    gather: Callable[["list", int, "StageName", float, list[int]], list]  # (refs, batch, stage, limit_s, workers)
+    # -> answers; on a failure or past limit_s it aborts the batch and raises a named StageError (runtime/gather.py)
     wait: Callable[[list, int, float], tuple[list, list]]  # (refs, num_returns, timeout_s) -> (done, pending)
     failed: Callable[[list], bool]  # whether one of these finished calls raised (a dead worker, a stage error)
     now: Callable[[], float]  # seconds, monotonic: every deadline and wall time a schedule measures
-    abort: Callable[[int, str], None]  # (step, reason): fail the data plane's waiters of a step
-    end_step: Callable[[int], EndOfStep]  # release a step (a batch) in the data plane: its seconds, its ledger rows
+    abort: Callable[[int, str], None]  # (batch, reason): fail the data plane's waiters of a batch
+    end_batch: Callable[[int], EndOfBatch]  # release a batch in the data plane: its seconds, its ledger rows
     timeout: Callable[[Stage], float]  # a stage's timeout (its own, or the cluster's)
-    rpcs: Callable[[], int] = lambda: 0  # Ray calls so far (the driver's and the data plane's), for StepReport.rpcs
-    recover: Callable[[int, float | None], bool] = lambda step, grace: False  # (step, grace_s): the workers out of
-    # a failed step, the data plane's state of it reset, every loader rewound; False if not possible
+    rpcs: Callable[[], int] = lambda: 0  # Ray calls so far (the driver's and the data plane's), for UpdateReport.rpcs
+    recover: Callable[[int, float | None], bool] = lambda batch_id, grace: False  # (batch, grace_s): the workers out of
+    # a failed batch, the data plane's state of it reset, every loader rewound; False if not possible
     reached: Callable[[int], str | None] = lambda worker: None  # the stage a worker last reached (progress board)
-    retried: Callable[[dict], None] = lambda row: None  # tell the controller a step ran again (its `retries`)
+    retried: Callable[[dict], None] = lambda row: None  # tell the controller a batch ran again (its `retries`)
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ class ScheduleSetup:
     mode: str  # the data plane's mode (for reports)
     options: ScheduleOptions
     dispatch: Dispatch
-    plane: DataPlane  # a schedule that runs stage by stage drives it (begin_step, stage_args, ...)
-    updates: int  # training updates done so far (the controller's step index)
+    plane: DataPlane  # a schedule that runs stage by stage drives it (begin_batch, stage_args, ...)
+    updates: int  # training updates done so far (the controller's cursor)
     state: dict | None = None  # a checkpoint's `Schedule.state()`, to continue from
 
 
@@ -71,10 +71,10 @@ class Schedule(Protocol):
 
     position: int  # the next stage of the current update (0 between updates; only sync stops in between)
 
-    def step(self) -> "StepReport":
+    def step(self) -> "UpdateReport":
         """Run until one more training update has finished; its report."""
 
-    def step_stage(self) -> "tuple[StageReport, StepReport | None]":
+    def step_stage(self) -> "tuple[StageReport, UpdateReport | None]":
         """Run the next stage of the current update; its report, and the update's when that stage ended it
         (SessionBroken, naming the schedule, where it cannot stop between stages)."""
 

@@ -7,7 +7,7 @@ stages on the second group). Each runs as one call per worker of its group (a
 "lane"); the two lanes run at the same time on disjoint workers, and the data
 plane carries each generated batch from one to the other, keyed by its batch
 index r. The controller (`Lanes.step`) starts what may start, waits for what
-finishes, and turns every finished training segment into one StepReport:
+finishes, and turns every finished training segment into one UpdateReport:
 
     a generation may start when at most k batches are ready or in training (at most 1
     with partial rollouts: see below)
@@ -36,7 +36,7 @@ Lanes is a `runtime.schedule.Schedule` and sees the cluster through `Dispatch` o
 (start a segment call on workers, wait for calls, gather answers within a deadline,
 abort a step, end a step on the data plane, read the clock): no Ray call and no clock
 read of its own, so the same rules run live and in simulated time. It returns each
-update's StepReport and keeps the ledger rows of the batches it ended (trained or
+update's UpdateReport and keeps the ledger rows of the batches it ended (trained or
 dropped) for the controller to take (`take_ledger`): the controller records both, in
 one place. Its failure rule: any failure aborts everything in flight and the session
 needs resume() (batches in flight on two groups cannot be rewound one by one).
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from distflow_lab.core.errors import DAGError, PolicyNotPublished, SessionBroken, StageError, StaleBatches
 from distflow_lab.graph.planner import Plan
-from distflow_lab.runtime.results import StageReport, StepReport, ledger_row, stage_reports
+from distflow_lab.runtime.results import StageReport, UpdateReport, ledger_row, stage_reports
 from distflow_lab.runtime.schedule import ScheduleSetup, runs
 
 
@@ -64,7 +64,7 @@ class Lane:
     """One segment call in flight on one group."""
 
     kind: str  # "generate" | "train"
-    batch: int  # r: the data-plane key
+    batch_id: int  # r: the data-plane key
     update: int  # t: the training update (train lanes), or the updates done at launch (generation)
     refs: list
     workers: list[int]
@@ -76,7 +76,7 @@ class Lane:
 class Ready:
     """A generated batch waiting to be trained on."""
 
-    batch: int
+    batch_id: int
     version: int  # the policy version the generation pulled
     version_min: int  # the oldest token's version (== version without partial rollouts)
     reports: list[StageReport]
@@ -119,10 +119,13 @@ class InFlight:
     (whose sequences in flight die with the engine), generated again from the newest policy
     (`how="regenerated"`)."""
 
-    batch: int
+    batch_id: int
     version: int
     version_min: int
     how: str
+
+
+_RENAMED = {"batch": "batch_id"}  # checkpoints written before the batch/update rename
 
 
 @runs("one_step_off", "async")
@@ -137,7 +140,8 @@ class Lanes:
         plan, schedule, dispatch = setup.plan, setup.options, setup.dispatch
         saved = setup.state or {}
         start, first_batch = setup.updates, saved.get("next_batch")
-        replay, dropped = [InFlight(**f) for f in saved.get("in_flight", ())], saved.get("dropped_batches", 0)
+        replay = [InFlight(**{_RENAMED.get(k, k): v for k, v in f.items()}) for f in saved.get("in_flight", ())]
+        dropped = saved.get("dropped_batches", 0)
         self.plan, self.mode, self.schedule, self.d = plan, setup.mode, schedule, dispatch
         self.k = schedule.staleness
         self.ahead = runs_ahead(self.k, schedule.partial_rollout)
@@ -149,7 +153,7 @@ class Lanes:
         self.edge = plan.edge_into(self.train_stages[0]).name
         self.updates = start
         self.next_batch = start if first_batch is None else first_batch
-        self.replay = {f.batch: f.version for f in replay if f.how == "replayed"}
+        self.replay = {f.batch_id: f.version for f in replay if f.how == "replayed"}
         self.ready: deque[Ready] = deque()
         self.gen: Lane | None = None
         self.train: Lane | None = None
@@ -160,7 +164,7 @@ class Lanes:
         self._training: Ready | None = None
 
     # ---- the loop ------------------------------------------------------------------
-    def step(self) -> StepReport:
+    def step(self) -> UpdateReport:
         """Run until one more training update has finished; return its report. Raises a
         StageError (in-flight calls aborted) when a lane fails or cannot make progress."""
         report = None
@@ -169,7 +173,7 @@ class Lanes:
             report = self._wait()
         return report
 
-    def step_stage(self) -> tuple[StageReport, StepReport | None]:
+    def step_stage(self) -> tuple[StageReport, UpdateReport | None]:
         raise SessionBroken(f"step_stage() steps one stage of a colocated synchronous step; this session runs "
                             f"schedule {self.schedule.kind!r} on worker groups {self.plan.groups}: use step()")
 
@@ -189,7 +193,7 @@ class Lanes:
         to read next; a schedule built from this state replays them."""
         held = self.settle()
         return {"kind": self.schedule.kind, "max_staleness": self.schedule.staleness,
-                "policy_version": self.updates, "next_batch": held[0].batch if held else self.next_batch,
+                "policy_version": self.updates, "next_batch": held[0].batch_id if held else self.next_batch,
                 "dropped_batches": self.stats.dropped, "in_flight": [dataclasses.asdict(f) for f in held],
                 "keep_versions": sorted({f.version for f in held if f.how == "replayed"})}
 
@@ -200,7 +204,7 @@ class Lanes:
         if self.gen is not None:
             self._finish(self.gen)  # bounded by its deadline; a failure aborts everything and raises
         how = "regenerated" if self.schedule.partial_rollout else "replayed"
-        return [InFlight(r.batch, r.version, r.version_min, how) for r in self.ready]
+        return [InFlight(r.batch_id, r.version, r.version_min, how) for r in self.ready]
 
     def discard(self) -> list[int]:
         """Give up every batch held (generating, ready, in training) untrained, e.g. before a
@@ -209,7 +213,7 @@ class Lanes:
         lanes = [lane for lane in (self.gen, self.train) if lane is not None]
         for lane in lanes:
             self.d.wait(lane.refs, len(lane.refs), max(0.0, lane.deadline - self.d.now()))
-        held = [lane.batch for lane in lanes] + [r.batch for r in self.ready]
+        held = [lane.batch_id for lane in lanes] + [r.batch_id for r in self.ready]
         self.gen = self.train = None
         self.ready.clear()
         return held
@@ -221,7 +225,7 @@ class Lanes:
                 self._drop(r)
             else:
                 self._training = r
-                self.train = self._start("train", r.batch, self.updates, self.train_stages, self.train_workers)
+                self.train = self._start("train", r.batch_id, self.updates, self.train_stages, self.train_workers)
         # A generation starting now is trained after every batch ready or in training: it stays within k
         # of the trainer if there are at most k of those (a dropped batch no longer counts).
         ahead = len(self.ready) + (self.train is not None)
@@ -230,19 +234,19 @@ class Lanes:
                                    trains_by=self.updates + ahead)
             self.next_batch += 1
 
-    def _start(self, kind: str, batch: int, update: int, stages: list[int], workers: list[int],
+    def _start(self, kind: str, batch_id: int, update: int, stages: list[int], workers: list[int],
                trains_by: int | None = None) -> Lane:
         limit = sum(self.d.timeout(self.plan.stages[i]) for i in stages)
         if kind == "generate":  # at the newest version now (a replayed batch: at the version it first came from)
-            replayed = batch in self.replay
-            version = self.replay.pop(batch) if replayed else self.updates
-            refs = self.d.call("generate_segment", workers, (batch, stages, trains_by, version, replayed))
+            replayed = batch_id in self.replay
+            version = self.replay.pop(batch_id) if replayed else self.updates
+            refs = self.d.call("generate_segment", workers, (batch_id, stages, trains_by, version, replayed))
         else:
-            refs = self.d.call("train_segment", workers, (batch, stages))
+            refs = self.d.call("train_segment", workers, (batch_id, stages))
         now = self.d.now()
-        return Lane(kind, batch, update, refs, workers, now, now + limit)
+        return Lane(kind, batch_id, update, refs, workers, now, now + limit)
 
-    def _wait(self) -> StepReport | None:
+    def _wait(self) -> UpdateReport | None:
         """Wait until a lane finishes, fails or passes its deadline; finish it. Returns the
         report of an update that finished, if one did."""
         lanes = [lane for lane in (self.gen, self.train) if lane is not None]
@@ -259,15 +263,15 @@ class Lanes:
         return report
 
     # ---- a lane finished (or failed) -----------------------------------------------
-    def _finish(self, lane: Lane) -> StepReport | None:
+    def _finish(self, lane: Lane) -> UpdateReport | None:
         answers = self._collect(lane)
         self.stats.busy[lane.kind].append((lane.started, self.d.now()))
         stages = [self.plan.stages[i] for i in (self.gen_stages if lane.kind == "generate" else self.train_stages)]
-        reports = stage_reports(lane.batch, stages, self.mode, [a["results"] for a in answers])
+        reports = stage_reports(lane.batch_id, stages, self.mode, [a["results"] for a in answers])
         if lane.kind == "generate":
             self.gen = None
             rows = sum(r.items_out for r in reports[-1].results if r.group_rank == 0)
-            self.ready.append(Ready(lane.batch, min(a["version"] for a in answers),
+            self.ready.append(Ready(lane.batch_id, min(a["version"] for a in answers),
                                     min(a["version_min"] for a in answers), reports, rows, answers[0]["checksum"]))
             return None
         self.train = None
@@ -277,21 +281,21 @@ class Lanes:
     def _collect(self, lane: Lane) -> list[dict]:
         stage = "(generation)" if lane.kind == "generate" else "(training)"
         try:
-            return self.d.gather(lane.refs, lane.batch, stage, max(0.0, lane.deadline - self.d.now()),
+            return self.d.gather(lane.refs, lane.batch_id, stage, max(0.0, lane.deadline - self.d.now()),
                                  lane.workers)
         except StageError as e:
             self._abort_all(e)
             raise
 
-    def _finish_update(self, lane: Lane, reports: list[StageReport], answers: list[dict]) -> StepReport:
+    def _finish_update(self, lane: Lane, reports: list[StageReport], answers: list[dict]) -> UpdateReport:
         r = self._training
-        end = self.d.end_step(lane.batch)
+        end = self.d.end_batch(lane.batch_id)
         self.ledger.extend(end.ledger)
         now = self.d.now()
         wall, self._last_update_end = now - self._last_update_end, now
         self.updates += 1
         self.stale_run = 0
-        return StepReport(lane.update, self.mode, r.reports + reports, wall, end.seconds,
+        return UpdateReport(lane.update, self.mode, r.reports + reports, wall, end.seconds,
                           extra_metrics=self._schedule_metrics(lane, r, wall, answers))
 
     def _schedule_metrics(self, lane: Lane, r: Ready, wall: float, answers: list[dict]) -> dict:
@@ -299,7 +303,7 @@ class Lanes:
         t0 = t1 - wall
         busy = {k: sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in v) for k, v in self.stats.busy.items()}
         versions = [a["version"] for a in answers if a["version"] is not None]  # None: no weights engine
-        return {"schedule/batch": float(r.batch), "schedule/staleness": float(lane.update - r.version_min),
+        return {"schedule/batch": float(r.batch_id), "schedule/staleness": float(lane.update - r.version_min),
                 "schedule/policy_version": float(max(versions, default=0)),
                 "schedule/published_checksum": float(answers[0]["checksum"]),
                 "schedule/rollout_version": float(r.version), "schedule/rollout_checksum": float(r.checksum),
@@ -321,11 +325,11 @@ class Lanes:
             last = self.plan.stages[self.train_stages[-1]].id
             was = f" (it was {before} before the segment)" if before not in (None, v) else ""
             self._raise(PolicyNotPublished(
-                f"training update {lane.update} (batch {lane.batch}) left the policy at version {v} on worker {w}"
+                f"training update {lane.update} (batch {lane.batch_id}) left the policy at version {v} on worker {w}"
                 f"{was}; update {lane.update} must leave it at version {expected}. The actor-update stage (the last "
                 f"training stage that ran: {last!r}) must advance the policy version once per update (engines.weights:"
                 f" e.g. bump(version + 1), as experiments/synthetic.py's actor_update does), or generation never gets "
-                f"a newer policy and every batch goes stale", step=lane.update, stage=last, worker=w))
+                f"a newer policy and every batch goes stale", batch_id=lane.batch_id, stage=last, worker=w))
 
     def _drop(self, r: Ready) -> None:
         """A batch whose oldest token is more than k versions behind the trainer: dropped,
@@ -333,16 +337,16 @@ class Lanes:
         `max_stale_run` in a row, with no update in between, is an error."""
         self.stats.dropped += 1
         self.stale_run += 1
-        self.ledger.extend(self.d.end_step(r.batch).ledger)
-        self.ledger.append(ledger_row(r.batch, self.edge, items_dropped=r.rows))
+        self.ledger.extend(self.d.end_batch(r.batch_id).ledger)
+        self.ledger.append(ledger_row(r.batch_id, self.edge, items_dropped=r.rows))
         if self.stale_run > self.max_stale_run:
             self._raise(StaleBatches(
                 f"schedule {self.schedule.kind!r} dropped {self.stale_run} batches in a row as too stale, with no "
-                f"training update in between: the last, batch {r.batch}, came from policy version {r.version_min} "
+                f"training update in between: the last, batch {r.batch_id}, came from policy version {r.version_min} "
                 f"(its oldest token) while the trainer is at update {self.updates}: more than the staleness bound "
                 f"k={self.k} behind. Every batch is too stale: the policy version is not advancing (the training "
                 f"group must publish version t + 1 after update t: its actor-update stage bumps engines.weights), or "
-                f"generation is too slow for k={self.k} (max_staleness)", step=r.batch,
+                f"generation is too slow for k={self.k} (max_staleness)", batch_id=r.batch_id,
                 stage=self.plan.stages[self.train_stages[0]].id, worker=None))
 
     # ---- failures ------------------------------------------------------------------
@@ -355,7 +359,7 @@ class Lanes:
         needs resume() (the controller marks it broken)."""
         lanes = [lane for lane in (self.gen, self.train) if lane is not None]
         for lane in lanes:
-            self.d.abort(lane.batch, f"{err.stage!r} failed: {err.summary}")
+            self.d.abort(lane.batch_id, f"{err.stage!r} failed: {err.summary}")
         inflight = [r for lane in lanes for r in lane.refs]
         if inflight:
             self.d.wait(inflight, len(inflight), 5.0)

@@ -56,7 +56,7 @@ class ShmBucket:
 
 
 def _timeout(why: str) -> WeightSyncTimeout:
-    return WeightSyncTimeout(why, step=-1, stage="weight_sync", worker=None)
+    return WeightSyncTimeout(why, batch_id=-1, stage="weight_sync", worker=None)
 
 
 def shm_free_bytes() -> int:

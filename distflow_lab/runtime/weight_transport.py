@@ -277,7 +277,7 @@ def publish(buckets: Iterable[Bucket], version: int, aliases: dict[str, str] | N
     report.tensors, report.buckets = len(entries), len(refs)
     missing = sorted(set(aliases.values()) - {e.name for e in entries})
     if missing:
-        raise WeightSyncMismatch(f"tied weights {missing} are not among the tensors published", step=-1,
+        raise WeightSyncMismatch(f"tied weights {missing} are not among the tensors published", batch_id=-1,
                                  stage="weight_sync", worker=None)
     return Manifest(version, tuple(entries), tuple(refs) if put else (), aliases, nbytes, mode, changed)
 
@@ -439,15 +439,15 @@ def _get(ref: Any, end: float, version: int, b: int, n: int) -> list[np.ndarray]
         return ray.get(ref, timeout=left)
     except GetTimeoutError:
         raise WeightSyncTimeout(f"policy v{version}: bucket {b + 1} of {n} did not arrive within the weight sync's "
-                                "deadline (weight_sync.timeout_s)", step=-1, stage="weight_sync", worker=None) from None
+                                "deadline (weight_sync.timeout_s)", batch_id=-1, stage="weight_sync", worker=None) from None
     except RayError as e:  # the publisher died with the objects it owned
         raise WeightSyncTimeout(f"policy v{version}: bucket {b + 1} of {n} is lost ({type(e).__name__}): the worker "
-                                "that published it died; call resume()", step=-1, stage="weight_sync",
+                                "that published it died; call resume()", batch_id=-1, stage="weight_sync",
                                 worker=None) from None
 
 
 def _mismatch(version: int, name: str, why: str) -> WeightSyncMismatch:
-    return WeightSyncMismatch(f"policy v{version}: tensor {name!r}: {why}", step=-1, stage="weight_sync", worker=None)
+    return WeightSyncMismatch(f"policy v{version}: tensor {name!r}: {why}", batch_id=-1, stage="weight_sync", worker=None)
 
 
 def check_loaded(manifest: Manifest, loaded: set[str]) -> None:

@@ -60,9 +60,9 @@ class WorkerSetup:
     session: str = ""  # names this session's progress notes
     config: Any = None  # the run config, visible to stages as ctx.config
     engines: str | Callable | None = None  # factory(ctx, config) -> engines (runtime.engines.WorkerEngines)
-    keep_outputs: bool = True  # keep each stage's output of the latest step (for peek)
+    keep_outputs: bool = True  # keep each stage's output of the latest batch (for peek)
     threads: int = 1
-    profile: ProfileSpec | None = None  # torch.profiler traces of chosen stages and steps
+    profile: ProfileSpec | None = None  # torch.profiler traces of chosen stages and batches
     board: Any = None  # the WeightBoard actor when generation and training run on disjoint groups
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)  # visible to stages as ctx.schedule
     weight_sync: WeightSyncOptions = field(default_factory=WeightSyncOptions)  # worker groups: buckets, deadline
@@ -78,12 +78,12 @@ def _timed(tensors: Iterable[tuple[str, torch.Tensor]], report: SyncReport) -> I
         report.parts["load"] += time.perf_counter() - t0
 
 
-def with_item_ids(out: Batch, step: int, stage: int, dp_rank: int) -> Batch:
+def with_item_ids(out: Batch, batch_id: int, stage: int, dp_rank: int) -> Batch:
     """Rows keep their `item_id` across stages and edges; rows a stage created get one:
-    (step, stage, dp rank, row) packed in an int64 (the same in every mode)."""
+    (batch, stage, dp rank, row) packed in an int64 (the same in every mode)."""
     if "item_id" in out or not len(out):
         return out
-    ids = (step << 36) | (stage << 28) | (dp_rank << 18) | torch.arange(len(out), dtype=torch.int64)
+    ids = (batch_id << 36) | (stage << 28) | (dp_rank << 18) | torch.arange(len(out), dtype=torch.int64)
     return out.with_columns(item_id=ids)
 
 
@@ -106,8 +106,8 @@ class DAGWorker:
         self.groups: dict[str, Any] = {}
         self.faults: list[dict] = []
         self.note: ProgressNote | None = None
-        self._loader_at_step_start: dict | None = None
-        self._loader_at: dict[int, dict] = {}  # loader state at each recent step's start (async checkpoints)
+        self._loader_at_batch_start: dict | None = None
+        self._loader_at: dict[int, dict] = {}  # loader state at each recent batch's start (async checkpoints)
         self._version_min: int | None = None
         self._trains_by: int | None = None  # set during a generation segment (async schedules)
         self.dist_base = 0  # the DAG rank of this worker's torch.distributed rank 0 (worker groups: per group)
@@ -161,13 +161,13 @@ class DAGWorker:
                 if (k := (st.first, st.workers, st.dp, st.group_size)) in made and made[k] is not None}
 
     def _reset(self) -> None:
-        self._clear_step()
+        self._clear_batch()
         self.engines.close()
         self.engines, self.loader, self.faults = StageState(rank=self.rank), None, []
         if self.note is not None:
             self.note.close()
             self.note = None
-        self._loader_at_step_start = None  # a reused worker must not restore the last plan's loader
+        self._loader_at_batch_start = None  # a reused worker must not restore the last plan's loader
         self._loader_at = {}
         self.rec.take()
         if self.ring is not None:  # a new plan's publisher starts its own slots
@@ -227,22 +227,22 @@ class DAGWorker:
 
     # ---- running -------------------------------------------------------------------
     @sized
-    def run_step(self, step: int) -> list[StageResult]:
-        """Every stage of `step` this worker runs, back to back (data planes where the driver moves no data)."""
-        return self.run_segment(step, self.mine)
+    def run_batch(self, batch_id: int) -> list[StageResult]:
+        """Every stage of `batch_id` this worker runs, back to back (data planes where the driver moves no data)."""
+        return self.run_segment(batch_id, self.mine)
 
-    def run_segment(self, step: int, stages: list[int]) -> list[StageResult]:
-        """These stages of `step` (those this worker runs), back to back."""
+    def run_segment(self, batch_id: int, stages: list[int]) -> list[StageResult]:
+        """These stages of `batch_id` (those this worker runs), back to back."""
         results = []
         for i in stages:
             if i in self.mine:
-                self.note.write(step, self.plan.stages[i].id)  # read only to name the stage of a failure
-                results.append(self._run_stage(step, i)[0])
+                self.note.write(batch_id, self.plan.stages[i].id)  # read only to name the stage of a failure
+                results.append(self._run_stage(batch_id, i)[0])
         return results
 
     # ---- weight sync between groups (see weights.py) ----------------------------------
     @sized
-    def generate_segment(self, step: int, stages: list[int], trains_by: int | None = None,
+    def generate_segment(self, batch_id: int, stages: list[int], trains_by: int | None = None,
                          version: int | None = None, replayed: bool = False) -> dict:
         """A generation segment: pull policy `version` (the newest when the driver launched it,
         so the pacing, not the moment the call starts, decides; None: the newest now), then run
@@ -251,10 +251,10 @@ class DAGWorker:
         ages out sequences that would be too stale by then). Returns the results and the policy
         version every row of its output came from (`version_min`: the oldest token's)."""
         first = self.plan.stages[stages[0]]
-        self.pull_weights(step, first.id, version, strict=replayed)
+        self.pull_weights(batch_id, first.id, version, strict=replayed)
         self._version_min, self._trains_by = None, trains_by
         try:
-            results = self.run_segment(step, stages)
+            results = self.run_segment(batch_id, stages)
         finally:
             self._trains_by = None
         w = self.engines.weights
@@ -263,48 +263,48 @@ class DAGWorker:
                 "version_min": version if self._version_min is None else self._version_min}
 
     @sized
-    def train_segment(self, step: int, stages: list[int]) -> dict:
+    def train_segment(self, batch_id: int, stages: list[int]) -> dict:
         """A training segment, then publish the updated policy (collective export). Returns the
         results and the policy version before and after the segment (None: no weights engine;
         the driver checks that each update advanced it by one)."""
         before = self.engines.weights.version if self.engines.weights is not None else None
-        results = self.run_segment(step, stages)
+        results = self.run_segment(batch_id, stages)
         w = self.engines.weights
         if w is None:
             return {"results": results, "version": None, "version_before": before, "checksum": 0.0}
-        checksum = self._publish(step, self.plan.stages[stages[-1]])
+        checksum = self._publish(batch_id, self.plan.stages[stages[-1]])
         if results:
             results[-1].spans.extend(self.rec.take())
             results[-1].weight_syncs.extend(self._take_syncs())
         return {"results": results, "version": w.version, "version_before": before, "checksum": checksum}
 
-    def _publish(self, step: int, last: Stage) -> float:
+    def _publish(self, batch_id: int, last: Stage) -> float:
         """Post this training group's policy at its version to the WeightBoard (a `weight_sync` span
         on `last`, the group's last stage, and a SyncReport); collective over the group: every rank
         iterates the gathered buckets, one puts them. Returns its checksum."""
         w, opts = self.engines.weights, self.s.weight_sync
         puts = last.dp_rank(self.rank) == 0 and last.group_rank(self.rank) == 0
         report = SyncReport("publish", w.version)
-        with self.rec.span(step, last.id, "weight_sync") as sp:
-            corrupt = 0 if puts and self._maybe_fault(step, last.id, "corrupt_weights") else None
-            mid = (lambda b: self._maybe_fault(step, last.id, "exit_mid_sync")) if puts else None
+        with self.rec.span(batch_id, last.id, "weight_sync") as sp:
+            corrupt = 0 if puts and self._maybe_fault(batch_id, last.id, "corrupt_weights") else None
+            mid = (lambda b: self._maybe_fault(batch_id, last.id, "exit_mid_sync")) if puts else None
             if puts and opts.transport == "shm" and self.ring is None:
                 self.ring = SlotRing(ring_slots(self.s.schedule.staleness))
             if puts and opts.mode == "delta" and self.delta is None:
                 self.delta = DeltaBase()
-            manifest = self._sync_errors(step, last.id, lambda: publish(
+            manifest = self._sync_errors(batch_id, last.id, lambda: publish(
                 w.export_buckets(opts.bucket_mib << 20), w.version, w.aliases(), put=puts, report=report,
                 corrupt=corrupt, after_put=mid, ring=self.ring, deadline_s=opts.timeout_s, mode=w.mode,
                 delta=self.delta))
             if puts:
                 sp.bytes, sp.items = manifest.nbytes, len(manifest.entries)
-                self._board(step, last.id, "post", lambda b: b.post.remote(w.version, manifest, manifest.checksum,
+                self._board(batch_id, last.id, "post", lambda b: b.post.remote(w.version, manifest, manifest.checksum,
                                                                            manifest.nbytes))
         if puts:
             self.syncs.append(report.row())
         return manifest.checksum
 
-    def pull_weights(self, step: int, stage: str, version: int | None = None, strict: bool = False) -> int:
+    def pull_weights(self, batch_id: int, stage: str, version: int | None = None, strict: bool = False) -> int:
         """Load policy `version` if the board holds it (None, or not held: the newest published,
         if newer than ours); returns our version. `strict`: exactly `version`, or
         WeightBoardLost. A stage function calls it between decode chunks for partial rollouts.
@@ -313,26 +313,26 @@ class DAGWorker:
         w = self.engines.weights
         if w is None or self.s.board is None:
             return 0
-        held = None if version is None else self._held(step, stage, version, "its replayed batch must be generated "
+        held = None if version is None else self._held(batch_id, stage, version, "its replayed batch must be generated "
                                                                              "from" if strict else None)
         if held is None:
-            version, manifest, _, nbytes = self._board(step, stage, "latest", lambda b: b.latest.remote())
+            version, manifest, _, nbytes = self._board(batch_id, stage, "latest", lambda b: b.latest.remote())
             newer = version > w.version and manifest is not None
         else:  # never back to an older one; but a replay loads even our version (a restored rollout's may differ)
             (manifest, _, nbytes), newer = held, version > w.version or strict
         if newer:
             report = SyncReport("pull", version, load="map" if w.binds else "copy")
-            with self.rec.span(step, stage, "weight_sync", bytes=nbytes) as sp:
-                patched, why_not = self._pull_delta(step, stage, manifest, report)
+            with self.rec.span(batch_id, stage, "weight_sync", bytes=nbytes) as sp:
+                patched, why_not = self._pull_delta(batch_id, stage, manifest, report)
                 if not patched:
                     tensors = receive(manifest, self.s.weight_sync.timeout_s, report, self.slots, keep=w.binds)
-                    self._sync_errors(step, stage, lambda: w.import_tensors(_timed(tensors, report), manifest))
+                    self._sync_errors(batch_id, stage, lambda: w.import_tensors(_timed(tensors, report), manifest))
                     report.mode = why_not or report.mode
                 sp.bytes = report.nbytes
             self.syncs.append(report.row())
         return w.version
 
-    def _pull_delta(self, step: int, stage: str, manifest: Manifest, report: SyncReport) -> tuple[bool, str]:
+    def _pull_delta(self, batch_id: int, stage: str, manifest: Manifest, report: SyncReport) -> tuple[bool, str]:
         """Reach `manifest`'s version by its delta, if it has one from the version we hold and our
         engine takes deltas: (done, why not). A delta that does not check out (we did not hold its
         base after all) is not done, and the caller loads the full version: the why goes in its
@@ -341,67 +341,67 @@ class DAGWorker:
         if d is None or d.base != w.version:
             return False, ""
         try:
-            return self._sync_errors(step, stage, lambda: w.import_delta(  # a timeout is named, not a fallback
+            return self._sync_errors(batch_id, stage, lambda: w.import_delta(  # a timeout is named, not a fallback
                 manifest, lambda targets: apply_delta(manifest, targets, self.s.weight_sync.timeout_s, report))), ""
         except WeightSyncMismatch as e:
             return False, f"full after a failed delta ({e.summary})"
 
-    def _sync_errors(self, step: int, stage: str, call: Callable[[], Any]) -> Any:
-        """`call()`, with a weight sync's named errors re-raised naming this stage, worker and step."""
+    def _sync_errors(self, batch_id: int, stage: str, call: Callable[[], Any]) -> Any:
+        """`call()`, with a weight sync's named errors re-raised naming this stage, worker and batch."""
         try:
             return call()
         except (WeightSyncMismatch, WeightSyncTimeout) as e:
-            raise type(e)(f"stage {stage!r} (worker {self.rank}, step {step}): {e.summary}", step=step, stage=stage,
+            raise type(e)(f"stage {stage!r} (worker {self.rank}, batch {batch_id}): {e.summary}", batch_id=batch_id, stage=stage,
                           worker=self.rank) from None
 
     def _take_syncs(self) -> list[dict]:
         out, self.syncs = self.syncs, []
         return out
 
-    def _held(self, step: int, stage: str, version: int, needed_because: str | None = None) -> tuple | None:
+    def _held(self, batch_id: int, stage: str, version: int, needed_because: str | None = None) -> tuple | None:
         """(refs, checksum, bytes) of policy `version` as the WeightBoard holds it; None when it does
         not, or WeightBoardLost when `needed_because` says why it must."""
-        held = self._board(step, stage, f"get({version})", lambda b: b.get.remote(version))
+        held = self._board(batch_id, stage, f"get({version})", lambda b: b.get.remote(version))
         if held is None and needed_because:
-            raise WeightBoardLost(f"stage {stage!r} (worker {self.rank}, step {step}): the WeightBoard no longer holds "
-                                  f"policy version {version}, which {needed_because}", step=step, stage=stage,
+            raise WeightBoardLost(f"stage {stage!r} (worker {self.rank}, batch {batch_id}): the WeightBoard no longer holds "
+                                  f"policy version {version}, which {needed_because}", batch_id=batch_id, stage=stage,
                                   worker=self.rank)
         return held
 
-    def _board(self, step: int, stage: str, what: str, call: Callable[[Any], Any]) -> Any:
+    def _board(self, batch_id: int, stage: str, what: str, call: Callable[[Any], Any]) -> Any:
         """A call to the WeightBoard (or a read of a policy it points to), bounded; its loss is
-        WeightBoardLost naming the stage, worker and step, never a raw Ray error."""
+        WeightBoardLost naming the stage, worker and batch, never a raw Ray error."""
         try:
             return ray.get(call(self.s.board), timeout=self.s.weight_sync.timeout_s)
         except RayError as e:
             raise WeightBoardLost(f"the WeightBoard or the policy it points to is lost ({what}: {type(e).__name__}) "
-                                  f"in stage {stage!r} (worker {self.rank}, step {step}); call resume()", step=step,
+                                  f"in stage {stage!r} (worker {self.rank}, batch {batch_id}); call resume()", batch_id=batch_id,
                                   stage=stage, worker=self.rank) from None
 
     @sized
-    def run_stage(self, step: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
+    def run_stage(self, batch_id: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
         """One stage, called by the driver (see `_run_stage`)."""
-        return self._run_stage(step, index, arg)
+        return self._run_stage(batch_id, index, arg)
 
-    def _run_stage(self, step: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
+    def _run_stage(self, batch_id: int, index: int, arg: Any = None) -> tuple[StageResult, Any]:
         """One stage: fetch, compute, publish. Returns this worker's account and the
         data plane's handoff to the driver (None unless the driver moves the data)."""
         st = self.plan.stages[index]
         t0 = time.perf_counter()
         if index == self.mine[0]:
-            self._start_step(step)
-        self._maybe_fault(step, st.id, "kill_actor")  # before the input: the fetch meets the dead actor
-        self._maybe_fault(step, st.id, "kill_board")
+            self._start_batch(batch_id)
+        self._maybe_fault(batch_id, st.id, "kill_actor")  # before the input: the fetch meets the dead actor
+        self._maybe_fault(batch_id, st.id, "kill_board")
         edge_in, edge_out = self.plan.edge_into(index), self.plan.edge_out_of(index)
-        got = self.port.fetch(step, st, edge_in, self.plan.stages[edge_in.src] if edge_in else None, arg)
-        self._maybe_fault(step, st.id, "exit")  # mid-stage: input fetched, compute not done
-        out, ctx = self._compute(step, st, got.batch)
-        handoff = self.port.publish(step, st, edge_out, self.plan.stages[edge_out.dst] if edge_out else None,
+        got = self.port.fetch(batch_id, st, edge_in, self.plan.stages[edge_in.src] if edge_in else None, arg)
+        self._maybe_fault(batch_id, st.id, "exit")  # mid-stage: input fetched, compute not done
+        out, ctx = self._compute(batch_id, st, got.batch)
+        handoff = self.port.publish(batch_id, st, edge_out, self.plan.stages[edge_out.dst] if edge_out else None,
                                     out, got.batch)
         moved = got.route not in ("cache", "loader", "none")
         tokens = item_lengths(out) if len(out) else np.zeros(0, np.int64)
         first = ctx.group_rank == 0
-        result = StageResult(step, st.index, st.id, self.rank, ctx.dp_rank, ctx.group_rank, len(got.batch), len(out),
+        result = StageResult(batch_id, st.index, st.id, self.rank, ctx.dp_rank, ctx.group_rank, len(got.batch), len(out),
                              int(tokens.sum()), got.batch.nbytes if moved else 0,
                              out.nbytes, got.route, got.cache_hit, dict(ctx.metrics), self.rec.take(),
                              time.perf_counter() - t0, dict(ctx.counts), self.port.rpcs,
@@ -413,22 +413,22 @@ class DAGWorker:
         self.port.rpcs = 0
         return result, handoff
 
-    def _compute(self, step: int, st: Stage, batch: Batch) -> tuple[Batch, StageContext]:
-        ctx = self._ctx(step, st)
-        with self.rec.span(step, st.id, "compute", items=len(batch)) as sp, \
-                profile_stage(self.s.profile, step, st.id, self.rank):
+    def _compute(self, batch_id: int, st: Stage, batch: Batch) -> tuple[Batch, StageContext]:
+        ctx = self._ctx(batch_id, st)
+        with self.rec.span(batch_id, st.id, "compute", items=len(batch)) as sp, \
+                profile_stage(self.s.profile, batch_id, st.id, self.rank):
             try:
                 out = call_stage(self.fns[st.index], batch, ctx)
             except Exception as e:
-                raise StageError(f"stage {st.id!r} raised {type(e).__name__}: {e} (worker {self.rank}, step {step})",
-                                 step=step, stage=st.id, worker=self.rank,
+                raise StageError(f"stage {st.id!r} raised {type(e).__name__}: {e} (worker {self.rank}, batch {batch_id})",
+                                 batch_id=batch_id, stage=st.id, worker=self.rank,
                                  remote_traceback=traceback.format_exc()) from None
             if not isinstance(out, Batch):
                 raise StageError(f"stage {st.id!r} returned {type(out).__name__}, expected a Batch "
-                                 f"(worker {self.rank}, step {step})", step=step, stage=st.id, worker=self.rank)
+                                 f"(worker {self.rank}, batch {batch_id})", batch_id=batch_id, stage=st.id, worker=self.rank)
             sp.tokens = int(item_lengths(out).sum()) if len(out) else 0
-        self._check_contract(step, st, batch, out)
-        out = with_item_ids(out, step, st.index, ctx.dp_rank)
+        self._check_contract(batch_id, st, batch, out)
+        out = with_item_ids(out, batch_id, st.index, ctx.dp_rank)
         if "version" in out and len(out):  # the policy versions the rows came from (async schedules)
             v = int(out["version"].min())
             self._version_min = v if self._version_min is None else min(self._version_min, v)
@@ -436,24 +436,24 @@ class DAGWorker:
             self.outputs[st.id] = out
         return out, ctx
 
-    def _check_contract(self, step: int, st: Stage, batch: Batch, out: Batch) -> None:
+    def _check_contract(self, batch_id: int, st: Stage, batch: Batch, out: Batch) -> None:
         """A node may declare `contract.outputs` (columns that must exist after it) and
         `contract.rows: same` (it keeps the row count); break either and the error names it."""
         missing = [c for c in st.contract.outputs if c not in out]
         if missing:
             raise StageContractError(f"stage {st.id!r} did not produce column(s) {missing} (worker {self.rank}, "
-                                     f"step {step}); it returned {out.columns}", step=step, stage=st.id,
+                                     f"batch {batch_id}); it returned {out.columns}", batch_id=batch_id, stage=st.id,
                                      worker=self.rank)
         if st.contract.rows == "same" and len(out) != len(batch):
             raise StageContractError(f"stage {st.id!r} returned {len(out)} rows for {len(batch)} input rows "
-                                     f"(worker {self.rank}, step {step}); its node declares rows: same",
-                                     step=step, stage=st.id, worker=self.rank)
+                                     f"(worker {self.rank}, batch {batch_id}); its node declares rows: same",
+                                     batch_id=batch_id, stage=st.id, worker=self.rank)
 
-    def _ctx(self, step: int, st: Stage) -> StageContext:
-        return stage_context(st, step=step, worker=self.rank, world_size=self.world_size, session_seed=self.s.seed,
+    def _ctx(self, batch_id: int, st: Stage) -> StageContext:
+        return stage_context(st, batch_id=batch_id, worker=self.rank, world_size=self.world_size, session_seed=self.s.seed,
                              node=self.node, config=self.s.config, engines=self.engines, loader=self.loader,
                              recorder=self.rec, groups=self.groups, schedule=self.s.schedule,
-                             refresh_policy=lambda: self.pull_weights(step, st.id),
+                             refresh_policy=lambda: self.pull_weights(batch_id, st.id),
                              trains_by=self._trains_by,
                              roles=frozenset(self.plan.stages[i].role for i in self.mine))
 
@@ -489,29 +489,29 @@ class DAGWorker:
         return self.rank
 
     # ---- faults and retries ----------------------------------------------------------
-    def _clear_step(self) -> None:
+    def _clear_batch(self) -> None:
         if self.port is not None:
             self.port.clear()
         self.outputs.clear()
 
-    def _start_step(self, step: int) -> None:
-        self._clear_step()
-        self.port.begin_step(step)
-        if self.loader is not None:  # where this step's data starts, should the step be retried
-            self._loader_at_step_start = self.loader.state_dict()
-            self._loader_at[step] = self._loader_at_step_start  # and for a checkpoint taken while it is in flight
+    def _start_batch(self, batch_id: int) -> None:
+        self._clear_batch()
+        self.port.begin_batch(batch_id)
+        if self.loader is not None:  # where this batch's data starts, should the batch be retried
+            self._loader_at_batch_start = self.loader.state_dict()
+            self._loader_at[batch_id] = self._loader_at_batch_start  # and for a checkpoint taken while it is in flight
             for old in sorted(self._loader_at)[:-16]:
                 del self._loader_at[old]
 
     def rewind(self) -> bool:
-        """Undo the current step's data loading so the same step can run again."""
-        self._clear_step()
-        if self.loader is not None and self._loader_at_step_start:
-            self.loader.load_state_dict(self._loader_at_step_start)
+        """Undo the current batch's data loading so the same batch can run again."""
+        self._clear_batch()
+        if self.loader is not None and self._loader_at_batch_start:
+            self.loader.load_state_dict(self._loader_at_batch_start)
         return True
 
     def add_faults(self, faults: list[dict]) -> int:
-        """Planned faults: {"step", "stage", "action": "exit" | "kill_actor" | "kill_board" |
+        """Planned faults: {"batch", "stage", "action": "exit" | "kill_actor" | "kill_board" |
         "exit_mid_sync" | "corrupt_weights", "actor": i, "skip": n, "mark": path}. Real ones: "exit"
         ends this worker's process mid-stage (stage "save_checkpoint": halfway through writing its
         part of a checkpoint); "kill_actor" kills data-plane actor i (a DataBuffer, or the
@@ -522,13 +522,13 @@ class DAGWorker:
         self.faults.extend(faults)
         return len(self.faults)
 
-    def _maybe_fault(self, step: int, stage: str, action: str) -> bool:
-        """Strike a planned fault of this step, stage and action if there is one; True if one struck
+    def _maybe_fault(self, batch_id: int, stage: str, action: str) -> bool:
+        """Strike a planned fault of this batch, stage and action if there is one; True if one struck
         (an action the caller carries out itself, e.g. "corrupt_weights")."""
         if not self.faults:
             return False
         for f in list(self.faults):
-            if f["step"] == step and f["stage"] == stage and f["action"] == action:
+            if f["batch_id"] == batch_id and f["stage"] == stage and f["action"] == action:
                 if f.get("skip", 0) > 0:  # e.g. skip=1: strike on the retry, not the first attempt
                     f["skip"] -= 1
                     continue
@@ -546,28 +546,28 @@ class DAGWorker:
 
     # ---- checkpoints -----------------------------------------------------------------
     @sized
-    def save_checkpoint(self, directory: str, step: int = 0, resume_step: int | None = None,
+    def save_checkpoint(self, directory: str, batch_id: int = 0, resume_batch: int | None = None,
                         board_versions: tuple[int, ...] = ()) -> list[str]:
         """Trainable engines (collective: every worker calls), this rank's loader position and,
         on the generation group's first worker, the policies of `board_versions` (those the
-        batches in flight came from). `resume_step`: the first step (batch) not yet trained;
-        the loader is saved where that step's data started, so a resumed run reads it again."""
+        batches in flight came from). `resume_batch`: the first batch not yet trained;
+        the loader is saved where that batch's data started, so a resumed run reads it again."""
         d = Path(directory)
         saved = []
         for name, e in self.engines.checkpointed().items():
             e.save(d / name)
             saved.append(name)
-        self._maybe_fault(step, "save_checkpoint", "exit")  # halfway: engines written, the rest not
+        self._maybe_fault(batch_id, "save_checkpoint", "exit")  # halfway: engines written, the rest not
         if self.loader is not None and self.plan.stages[0].group_rank(self.rank) == 0:
             d.mkdir(parents=True, exist_ok=True)
-            state = self._loader_at.get(resume_step, self.loader.state_dict()) if resume_step is not None \
+            state = self._loader_at.get(resume_batch, self.loader.state_dict()) if resume_batch is not None \
                 else self.loader.state_dict()
             (d / f"loader_dp{self.loader.dp_rank}.json").write_text(json.dumps(state))
         if board_versions and self.rank == self.plan.stages[0].ranks[0]:
             (d / "board").mkdir(parents=True, exist_ok=True)
             for v in board_versions:
-                manifest, checksum, nbytes = self._held(step, "save_checkpoint", v, "a batch in flight came from")
-                state = self._sync_errors(step, "save_checkpoint",
+                manifest, checksum, nbytes = self._held(batch_id, "save_checkpoint", v, "a batch in flight came from")
+                state = self._sync_errors(batch_id, "save_checkpoint",
                                           lambda: read_state(manifest, self.s.weight_sync.timeout_s, self.slots))
                 torch.save({"version": v, "state": state, "checksum": checksum, "nbytes": nbytes},
                            d / "board" / f"v{v:06d}.pt")

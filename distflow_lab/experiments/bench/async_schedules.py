@@ -73,7 +73,7 @@ def long_tail_dag(batch: int = 16, n: int = 4, workers: int = 4, decode_us: floa
 def _segment_seconds(spans: pd.DataFrame, stages: list[str]) -> pd.Series:
     """Per step: the critical path of these stages (slowest worker's compute, summed)."""
     s = spans[spans.stage.isin(stages) & (spans.phase == "compute")]
-    return s.groupby(["step", "stage"])["seconds"].max().groupby("step").sum()
+    return s.groupby(["batch_id", "stage"])["seconds"].max().groupby("batch_id").sum()
 
 
 def measure(s: Session, steps: int, warmup: int) -> dict:
@@ -81,7 +81,7 @@ def measure(s: Session, steps: int, warmup: int) -> dict:
     first = len(s.metrics)
     m = s.run(steps, progress=False)
     items = s.items()
-    trained = items[(items["stage"] == "actor_update") & items["update"].isin(m["step"])]
+    trained = items[(items["stage"] == "actor_update") & items["update"].isin(m["update"])]
     return {"tokens_per_s": float(trained.tokens.sum() / m.wall_s.sum()), "step_s": float(m.wall_s.median()),
             "trainer_idle": float(m["schedule/trainer_idle"].mean()),
             "rollout_idle": float(m["schedule/rollout_idle"].mean()),
@@ -90,7 +90,7 @@ def measure(s: Session, steps: int, warmup: int) -> dict:
             "dropped_batches": float(m["schedule/dropped_batches"].iloc[-1]),
             "stale_seq_frac": _stale_fraction(m, trained),
             "len_max_over_median": float(m.get("rollout/len_max_over_median", pd.Series([float("nan")])).median()),
-            **weight_sync_per_update(s.spans, m["step"]), **_turns(s.spans, m), "spans": s.spans, "steps": list(range(first, first + steps))}
+            **weight_sync_per_update(s.spans, m["update"]), **_turns(s.spans, m), "spans": s.spans, "steps": list(range(first, first + steps))}
 
 
 def _turns(spans: pd.DataFrame, m: pd.DataFrame) -> dict:
@@ -98,18 +98,18 @@ def _turns(spans: pd.DataFrame, m: pd.DataFrame) -> dict:
     environments with no turn to decode (`env_wait` spans, summed over the rollout workers)."""
     if "multi_turn/turns_mean" not in m:
         return {}
-    waits = spans[(spans.phase == "env_wait") & spans.step.isin(m["step"])].groupby("step")["seconds"].sum()
+    waits = spans[(spans.phase == "env_wait") & spans.batch_id.isin(m["update"])].groupby("batch_id")["seconds"].sum()
     return {"turns_mean": float(m["multi_turn/turns_mean"].mean()),
-            "env_wait_s": float(waits.reindex(m["step"], fill_value=0.0).median())}
+            "env_wait_s": float(waits.reindex(m["update"], fill_value=0.0).median())}
 
 
 def weight_sync_per_update(spans: pd.DataFrame, steps: pd.Series) -> dict:
     """Per training update: the policy's trip from trainer to rollout group (`weight_sync` spans:
     the trainer's export and post, the rollout's pull and load), seconds summed, bytes of one copy of the policy."""
-    ws = spans[(spans.phase == "weight_sync") & spans.step.isin(steps)]
+    ws = spans[(spans.phase == "weight_sync") & spans.batch_id.isin(steps)]
     if not len(ws):
         return {"weight_sync_ms": 0.0, "weight_sync_mib": 0.0}
-    per = ws.groupby("step").agg(seconds=("seconds", "sum"), bytes=("bytes", "max"))  # posted = pulled
+    per = ws.groupby("batch_id").agg(seconds=("seconds", "sum"), bytes=("bytes", "max"))  # posted = pulled
     return {"weight_sync_ms": float(per.seconds.median() * 1e3), "weight_sync_mib": float(per.bytes.median() / 2**20)}
 
 
@@ -123,7 +123,7 @@ def _stale_fraction(m: pd.DataFrame, trained: pd.DataFrame) -> float:
 
 def ideal_speedup(sync: dict, decode_us: float, slots_per_row: float, items: pd.DataFrame) -> tuple[float, dict]:
     spans = sync["spans"]
-    spans = spans[spans.step.isin(sync["steps"])]
+    spans = spans[spans.batch_id.isin(sync["steps"])]
     g, t = _segment_seconds(spans, GEN[1:2]), _segment_seconds(spans, TRAIN)
     lengths = items[items.stage == "rollout"]["tokens"] - 32  # response tokens (prompts are 32 long)
     stream = float(lengths[lengths > 0].mean()) * decode_us * 1e-6 / slots_per_row
@@ -152,7 +152,7 @@ def real_session(engine: str, mode: str, workers: int, overrides: list[str] | No
 def overlap_ideal(sync: dict) -> tuple[float, dict]:
     """A real engine's ideal: generation and training of the sync run overlapped perfectly."""
     spans = sync["spans"]
-    spans = spans[spans.step.isin(sync["steps"])]
+    spans = spans[spans.batch_id.isin(sync["steps"])]
     g, t = _segment_seconds(spans, GEN[1:2]), _segment_seconds(spans, TRAIN)
     ideal = float(np.median(g + t) / max(np.median(g), np.median(t)))
     return ideal, {"sync_generation_s": float(np.median(g)), "sync_training_s": float(np.median(t))}

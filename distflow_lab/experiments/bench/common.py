@@ -21,7 +21,7 @@ def summarize(xs: Iterable[float]) -> dict[str, float]:
 def step_row(rep, spans: pd.DataFrame | None = None) -> dict:
     """One step's wall_s, compute_s, data_plane_s, bytes_moved (`spans`: rep.spans, if already built)."""
     spans = rep.spans if spans is None else spans
-    return step_table(spans, pd.Series({rep.step: rep.wall_seconds})).iloc[0].to_dict()
+    return step_table(spans, pd.Series({rep.update: rep.wall_seconds})).iloc[0].to_dict()
 
 
 def write_json(records: list[dict], path: str | Path | None) -> None:

@@ -30,7 +30,7 @@ def one_step(coord, step: int, producers: int, consumers: int, lengths: list[np.
     ray.get([coord.publish.remote(step, "e", p, lengths[p], [ref] * len(lengths[p]), 1, producers, consumers,
                                   Routing(Balance.LPT)) for p in range(producers)], timeout=120)
     ray.get([coord.get_meta.remote(step, "e", c, True) for c in range(consumers)], timeout=120)
-    ray.get(coord.end_step.remote(step), timeout=120)
+    ray.get(coord.end_batch.remote(step), timeout=120)
 
 
 def measure(producers: int, consumers: int, items: int, steps: int, seed: int = 0) -> dict:

@@ -61,7 +61,7 @@ def measure(dag, mode: str, world_size: int, steps: int, warmup: int = 1, pool: 
         for _ in range(steps):
             rep = s.step()
             spans = rep.spans
-            out.append({"mode": mode, "step": rep.step, **step_row(rep, spans), "rpcs": rep.rpcs,
+            out.append({"mode": mode, "update": rep.update, **step_row(rep, spans), "rpcs": rep.rpcs,
                         "breakdown": stage_breakdown(spans, [st.stage_id for st in rep.stages])})
         latency = call_latency_s(s)
         for r in out:
@@ -95,7 +95,7 @@ def critical_round_trips(plan, mode: str, nodes: int = 1) -> int:
     centralized: per stage after the data: dispatch puts, the stage call, the collect get."""
     moving = sum(1 for e in plan.edges if e.kind == "redistribute")
     if mode == "distributed":
-        return 1 + (3 if nodes > 1 else 2) * moving + 1  # run_step, the exchanges, end_step
+        return 1 + (3 if nodes > 1 else 2) * moving + 1  # run_batch, the exchanges, end_batch
     if mode == "coordinator":
         return 1 + 2 * moving + 1
     return 3 * (len(plan.stages) - 1) + 1  # + the data stage on the driver

@@ -50,7 +50,7 @@ def measure(context: int, mode: str, workers: int, prompts: int, n: int, steps: 
     with open_session(cfg, progress=False) as s:
         for _ in range(warmup + steps):
             rep = s.step()
-            if rep.step < warmup:
+            if rep.update < warmup:
                 continue
             spans = rep.spans
             tokens = int(spans[(spans["stage"] == "rollout") & (spans["phase"] == "compute")]["tokens"].sum())

@@ -156,6 +156,6 @@ def measure(s, steps: int) -> dict:
     return {"steps": len(m), "step_s": float(timed.wall_s.median()),
             "tokens_per_s": float(generated.sum() / timed.wall_s.sum()),
             **{k: float(m[v].median()) if v in m and m[v].notna().any() else np.nan for k, v in METRICS.items()},
-            **weight_sync_per_update(s.spans, m.step),
+            **weight_sync_per_update(s.spans, m["update"]),
             "peak_rss_mib_max": max(p["peak_rss"] for p in peaks) / 2**20,
             "peak_rss_mib": [round(p["peak_rss"] / 2**20) for p in sorted(peaks, key=lambda p: p["rank"])]}

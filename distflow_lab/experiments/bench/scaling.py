@@ -45,7 +45,7 @@ def measure_scaling(workers=(1, 2, 4, 8), contexts=(1024,), nodes: int = 2, batc
                     pool[w] = s
                     s.run(repeats + 1, progress=False)
                     reps, sp = list(s.history)[-repeats:], s.spans  # drop the warm-up step
-                    row.update(spans=sp[sp.step.isin([x.step for x in reps])].reset_index(drop=True),
+                    row.update(spans=sp[sp.batch_id.isin([x.update for x in reps])].reset_index(drop=True),
                                walls=[x.wall_seconds for x in reps])
                 rows.append(row)
     finally:

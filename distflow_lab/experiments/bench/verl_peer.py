@@ -49,7 +49,7 @@ def _worker_class():
             st = self.plan.stage(data.meta_info["stage"])
             step = data.meta_info["step"]
             batch = Batch(dict(data.batch.items()) if data.batch is not None else {}, data.non_tensor_batch)
-            ctx = stage_context(st, step=step, worker=self.rank, world_size=self.world_size,
+            ctx = stage_context(st, batch_id=step, worker=self.rank, world_size=self.world_size,
                                 session_seed=self.seed, dp_rank=self.rank, node="verl")
             t0 = time.perf_counter()
             out = call_stage(self.fns[st.id], batch, ctx)
