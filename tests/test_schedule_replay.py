@@ -3,6 +3,7 @@ async k and partial rollouts), clear errors on bad input, and checked against re
 of the schedules on the synthetic long-tail DAG with worker groups."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -183,6 +184,31 @@ def test_advise_ranks_the_split_and_schedule_the_replay_predicts_best(tmp_path):
         advise(run, recorded=(2, 2), verify=1, skip=0)
 
 
+@pytest.mark.full
+def test_advise_tries_micro_batch_budgets_on_a_real_engine(ray_cluster, grpo_model, tmp_path):
+    """The tiny GRPO model on 1 + 1 HF workers: reopen(overrides=...) rebuilds the training engine
+    with another micro_token_budget (the actor then runs more micro-batches; a key that may change
+    the DAG is refused before any work); advise measures a micro-batch's cost (calibrate), ranks
+    both budgets, verifies the top candidate at its own budget and leaves the session as it was."""
+    import distflow_lab as lab
+
+    with lab.rl_session("tiny-cpu-grpo", [f"trainer.out_dir={tmp_path}/out", "cluster.world_size=2",
+                                          "groups={rollout: 1, train: 1}", "data.prompts_per_step=4",
+                                          "rollout.log_probs=true", "actor.off_policy=tis"], progress=False) as s:
+        with pytest.raises(ConfigError, match="actor.use_kl_loss.*may change the DAG"):
+            s.reopen(overrides=["actor.use_kl_loss=false"])
+        s.reopen(overrides=["actor.micro_token_budget=64"])
+        assert s.run(1, progress=False)["actor/n_micro"].iloc[0] > 1
+        s.reopen(overrides=["actor.micro_token_budget=4096"])
+        assert s.run(3, progress=False)["actor/n_micro"].eq(1).all()
+        a = lab.advise(s, max_staleness=1, skip=1, micro_token_budgets=[64, 4096], calibrate=3, verify=1)
+        assert set(a.table["micro_token_budget"]) == {64, 4096} and len(a.table) == 2 * 4, a
+        assert any("calibrate_micro" in n for n in a.notes), a
+        v = a.verified.iloc[0]
+        assert v["micro_token_budget"] == a.best["micro_token_budget"] and v["real_tokens_per_s"] > 0, a
+        assert s.config.algo.actor.micro_token_budget == 4096 and s.config.schedule.kind == "sync"
+
+
 def test_the_replay_runs_the_schedulers_own_pacing_rule(tmp_path, monkeypatch):
     """Change the rule in runtime/schedule_lanes.py and the replay follows: generation never running
     ahead makes async k=2 the synchronous order (staleness 0, sync's step), with no copy to edit."""
@@ -209,13 +235,49 @@ def test_contention_slows_the_overlapped_part_of_a_lane(tmp_path):
 
 def test_training_cost_follows_whichever_tokens_fit_the_recording():
     """A real engine pads a batch to its longest row; the synthetic DAG sleeps per token trained:
-    the fit takes whichever the recorded training seconds follow."""
+    the fit takes whichever the recorded training seconds follow, and a cost per micro-batch
+    only where the steps ran different numbers of them."""
     from distflow_lab.experiments.schedule_replay import _fit_train
 
-    b = pd.DataFrame({"tokens": [100.0, 300.0, 200.0, 400.0], "padded": [800.0, 900.0, 2000.0, 1000.0]})
-    assert _fit_train(b.assign(train_s=0.01 + 1e-4 * b["tokens"]), 0)[2] == "tokens"
-    a, slope, feature = _fit_train(b.assign(train_s=2e-4 * b["padded"]), 0)
-    assert feature == "padded" and slope == pytest.approx(2e-4) and a == pytest.approx(0, abs=1e-9)
+    b = pd.DataFrame({"tokens": [100.0, 300.0, 200.0, 400.0], "padded": [800.0, 900.0, 2000.0, 1000.0],
+                      "n_micro": [1.0] * 4})
+    assert _fit_train(b.assign(train_s=0.01 + 1e-4 * b["tokens"]), 0).feature == "tokens"
+    fit = _fit_train(b.assign(train_s=2e-4 * b["padded"]), 0)
+    assert (fit.feature, fit.micro_known) == ("padded", False)
+    assert fit.slope == pytest.approx(2e-4) and fit.a == pytest.approx(0, abs=1e-9)
+    b["n_micro"] = [1.0, 3.0, 2.0, 5.0]
+    fit = _fit_train(b.assign(train_s=0.01 + 2e-4 * b["padded"] + 0.03 * b["n_micro"]), 0)
+    assert fit.micro_known and fit.per_micro == pytest.approx(0.03) and fit.a == pytest.approx(0.01)
+
+
+def test_another_micro_batch_budget_repacks_the_recorded_rows(tmp_path):
+    """Two training ranks of 8 rows of 100 tokens: at a 4096-token budget one micro-batch a rank, at
+    250 four (two rows each); with 10 ms a micro-batch, each update's training takes 6 x 10 ms
+    longer, and a training-bound one_step_off with it. A recording at one budget cannot say what
+    a micro-batch costs: it is refused by name, as is a recording without a training engine."""
+    from distflow_lab.experiments.advisor import advise
+    from distflow_lab.experiments.schedule_replay import TrainFit, load_lanes, with_micro_budget
+
+    run = _write_run(tmp_path, [0.3] * 6, [0.5] * 6, lengths=[100 - P] * 6)
+    rec = load_lanes(run, skip=0)
+    assert rec.micro_token_budget is None and set(rec.batches["n_micro"]) == {2.0}
+    with pytest.raises(ValueError, match="no micro-batches"):
+        with_micro_budget(rec, 250)
+    rec = dataclasses.replace(rec, micro_token_budget=4096)
+    with pytest.raises(ValueError, match="calibrate"):
+        with_micro_budget(rec, 250)
+    rec = dataclasses.replace(rec, train_fit=TrainFit(0.0, 0.5 / 1600, "padded", 0.01, True))
+    small = with_micro_budget(rec, 250)
+    assert set(small.batches["n_micro"]) == {8.0} and set(small.batches["padded"]) == {1600.0}
+    assert np.allclose(small.batches["train_s"], rec.batches["train_s"] + 0.06)
+    steps = {b: replay_schedules(r, ["one_step_off"], skip=1).summary.iloc[0]["step_s"]
+             for b, r in ((4096, rec), (250, small))}
+    assert steps[250] - steps[4096] == pytest.approx(0.06)
+    a = advise(rec, micro_token_budgets=[250, 4096], recorded=(2, 2), splits=[(2, 2)], skip=1)
+    assert a.best["micro_token_budget"] == 4096 and set(a.table["micro_token_budget"]) == {250, 4096}, a
+    assert any("mtb 250" in (t.name or "") for t in a.figure().data)
+    with pytest.raises(ValueError, match="micro_token_budgets"):
+        advise(rec, micro_token_budgets=[0], recorded=(2, 2))
 
 
 def test_repeated_real_runs_are_pooled_and_their_spread_reported():

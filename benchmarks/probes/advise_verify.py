@@ -5,6 +5,9 @@ and on the real pretrained model (SmolLM2-135M-Instruct, sums of 10..19 asked in
     python benchmarks/probes/advise_verify.py hf,vllm benchmarks/results/advise_smollm2.json \\
         --workload smollm2-arith --record 10 --skip 2 --calibrate 6 \\
         data.prompts_per_step=4 rollout.n=4 rollout.max_response_len=32 data.options.arithmetic.max_operand=19
+with micro-batch sizes as candidates too (a real engine's actor.micro_token_budget):
+    python benchmarks/probes/advise_verify.py hf benchmarks/results/advise_micro.json \
+        --micro-budgets 128,512,4096 --max-staleness 1 --verify 3
 """
 import argparse, json, time
 import distflow_lab as lab
@@ -17,6 +20,9 @@ p.add_argument("--workload", default="longtail", help="the real engines' workloa
 p.add_argument("--record", type=int, default=15, help="sync updates recorded")
 p.add_argument("--skip", type=int, default=3, help="warm-up updates the replay leaves out")
 p.add_argument("--calibrate", type=int, default=10)
+p.add_argument("--max-staleness", type=int, default=2)
+p.add_argument("--verify", type=int, default=2)
+p.add_argument("--micro-budgets", default="", help="comma-separated actor.micro_token_budget candidates (real engines)")
 p.add_argument("overrides", nargs="*", help="the real engines' preset overrides")
 a = p.parse_intermixed_args()
 
@@ -28,10 +34,13 @@ for engine in a.engines.split(","):
          if engine == "synthetic" else real_session(engine, "coordinator", 2, a.overrides, workload=a.workload))
     try:
         s.run(a.record, progress=False)
-        adv = lab.advise(s, max_staleness=2, skip=a.skip, calibrate=a.calibrate, verify=2)
+        budgets = [int(b) for b in a.micro_budgets.split(",") if b] if engine != "synthetic" else []
+        adv = lab.advise(s, max_staleness=a.max_staleness, skip=a.skip, calibrate=a.calibrate, verify=a.verify,
+                         micro_token_budgets=budgets or None)
     finally:
         s.close()
     print(engine, adv, flush=True)
     out[engine] = {"table": adv.table.drop(columns=["options"]).to_dict("records"),
-                   "verified": adv.verified.to_dict("records"), "regret": adv.regret, "seconds": time.time() - t0}
+                   "verified": adv.verified.to_dict("records"), "regret": adv.regret, "notes": adv.notes,
+                   "seconds": time.time() - t0}
     json.dump(out, open(a.json_path, "w"), indent=1, default=float)

@@ -24,6 +24,7 @@ import torch
 
 from distflow_lab.core.batch import Batch
 from distflow_lab.core.config import (MODES, SWITCHES_BY_MODE, Balance, ClusterOptions, ConfigError, Mode,
+                                      engine_overrides,
                                       ProfileOptions, RunConfig, ScheduleName, ScheduleOptions, SessionConfig, Switches,
                                       check_schedule, check_switches, load_model)
 from distflow_lab.dataplane.centralized import CentralizedPlane
@@ -182,18 +183,23 @@ class Session:
         reports = self.controller.run(steps, progress=progress)
         return pd.DataFrame([{"update": r.update, "wall_s": r.wall_seconds, **r.metrics} for r in reports])
 
-    def reopen(self, mode: str | None = None, dag: DAG | None = None, **options: Any) -> "Session":
+    def reopen(self, mode: str | None = None, dag: DAG | None = None, overrides: list[str] | None = None,
+               **options: Any) -> "Session":
         """Reconfigure with another mode, switches or DAG, on the same worker processes
         when the placement allows (fresh engines, loaders, data plane, step 0); the spans
         and metrics so far are kept for side-by-side figures. Switches set earlier that
-        mean nothing in the new mode are dropped; ones given here must apply."""
+        mean nothing in the new mode are dropped; ones given here must apply. `overrides`
+        (`a.b=value`, a session opened from a run config): what its engines are built with,
+        e.g. `["actor.micro_token_budget=512"]` (the keys in `config.ENGINE_KEYS`); they stay."""
+        new_mode = mode or self.mode
+        update: dict[str, Any] = {"switches": Switches(**{
+            k: v for k, v in self._config.switches.model_dump(exclude_unset=True).items()
+            if k in SWITCHES_BY_MODE.get(new_mode, ())})}
+        if overrides:
+            update["algo"] = engine_overrides(self._config.algo, overrides)
+        config = _configure(self._config.model_copy(update=update), {**options, "mode": new_mode})
         self.previous[self.mode] = self.spans
         self.previous_metrics[self.mode] = self.metrics
-        new_mode = mode or self.mode
-        carried = self._config.model_copy(update={"switches": Switches(**{
-            k: v for k, v in self._config.switches.model_dump(exclude_unset=True).items()
-            if k in SWITCHES_BY_MODE.get(new_mode, ())})})
-        config = _configure(carried, {**options, "mode": new_mode})
         self.dag = dag or self.dag
         old = self.controller
         if not old.can_hand_over(config, self.dag):

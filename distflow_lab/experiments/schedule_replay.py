@@ -222,6 +222,52 @@ def calibrate_lanes(s: Any, rec: "LaneRecording", updates: int = 6, skip: int = 
     return dataclasses.replace(rec, knobs=knobs, notes=[*rec.notes, *notes])
 
 
+def calibrate_micro(s: Any, rec: "LaneRecording", budget: int, updates: int = 6, skip: int = 2
+                    ) -> "LaneRecording":
+    """The recording with training's cost per micro-batch (`TrainFit.per_micro`), fitted on its
+    steps and `updates` sync updates of the session reopened with actor.micro_token_budget=`budget`
+    together (after `skip` each): a recording at one budget usually runs one micro-batch an update,
+    which leaves that cost unknown. The session is reopened at the recording's budget after."""
+    if rec.micro_token_budget is None:
+        raise ValueError("calibrate_micro: the recording's training has no micro_token_budget (a session opened "
+                         "without a run config, e.g. the synthetic DAG, trains no real engine)")
+    s.reopen(schedule="sync", overrides=[f"actor.micro_token_budget={budget}"])
+    try:
+        s.run(updates, progress=False)
+        cal = load_lanes(s, skip=skip, knobs=rec.knobs)
+    finally:
+        s.reopen(overrides=[f"actor.micro_token_budget={rec.micro_token_budget}"])
+    fit = _fit_train(pd.concat([rec.batches.iloc[skip:], cal.batches.iloc[skip:]]), 0)
+    what = (f"{fit.per_micro * 1e3:.1f} ms a micro-batch" if fit.micro_known else
+            "no cost per micro-batch that fits (the steps at both budgets ran as many micro-batches, or it came out < 0)")
+    return dataclasses.replace(rec, train_fit=fit, notes=[*rec.notes, f"training: {what} (calibrate_micro: "
+                                                                      f"{updates} sync updates at budget {budget})"])
+
+
+def with_micro_budget(rec: "LaneRecording", budget: int) -> "LaneRecording":
+    """The recording as if training had packed its micro-batches to `budget` tokens: each batch's
+    training seconds move by what the fit says its new packing costs more or less (the batch's
+    own difference from the fit is kept); partial batches are packed to `budget` too."""
+    if budget == rec.micro_token_budget:
+        return rec
+    if rec.micro_token_budget is None:
+        raise ValueError(f"micro_token_budget={budget}: the recording's training has no micro-batches (a session "
+                         f"without a run config, e.g. the synthetic DAG)")
+    if not rec.train_fit.micro_known:
+        raise ValueError(f"micro_token_budget={budget}: the recording ran at one budget ({rec.micro_token_budget}), "
+                         f"so a micro-batch's cost is unknown; calibrate_micro (advise(calibrate=n)) measures it")
+    b, fit = rec.batches.copy(), rec.train_fit
+    for r in b.index:
+        if int(r) in rec.row_tokens:
+            new = train_features(rec.row_tokens[int(r)], budget)
+            b.loc[r, "train_s"] = max(0.0, float(b.at[r, "train_s"]) + fit.seconds(new) - fit.seconds(b.loc[r]))
+            b.loc[r, ["padded", "n_micro"]] = [new["padded"], new["n_micro"]]
+    return dataclasses.replace(rec, batches=b, micro_token_budget=budget,
+                               notes=[*rec.notes, f"training at micro_token_budget={budget} (recorded at "
+                                                  f"{rec.micro_token_budget}): repacked, {fit.per_micro * 1e3:.1f} ms "
+                                                  f"a micro-batch"])
+
+
 def _overlap(a: float, b: float, others: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(b, d) - max(a, c)) for c, d in others)
 
@@ -276,15 +322,17 @@ def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> tuple[float,
 class LaneRecording:
     """A sync run's lanes per batch, and what partial rollouts need."""
 
-    batches: pd.DataFrame  # index batch r: gen_s, train_s, gap_s, wall_s, tokens, rows, rollout_s
+    batches: pd.DataFrame  # index batch r: gen_s, train_s, gap_s, wall_s, tokens, rows, padded, n_micro, rollout_s
     lengths: dict[int, list[np.ndarray]]  # batch -> per rollout rank: response lengths (decode iterations)
-    train_fit: tuple[float, float, str]  # train_s = a + b * x, x "padded" (rows x the longest) or "tokens"
+    train_fit: "TrainFit"
     decode_s: float  # one decode iteration
     prompt_tokens: float  # per sequence
     knobs: Knobs
     weight_sync: dict[str, float]  # median seconds per update: pull (rollout group), publish (training group)
     colocated: bool = False
     notes: list[str] = field(default_factory=list)
+    row_tokens: dict[int, list[np.ndarray]] = field(default_factory=dict)  # batch -> per training rank: its rows' tokens
+    micro_token_budget: int | None = None  # the training engine's (actor.micro_token_budget); None: one micro-batch
 
 
 def _lanes_from_metrics(m: pd.DataFrame) -> pd.DataFrame:
@@ -323,19 +371,75 @@ def _fit_decode(items: pd.DataFrame, spans: pd.DataFrame, rollout: str, skip: in
 TRAIN_FEATURES = ("padded", "tokens")  # what training seconds may grow with, the first preferred on a tie
 
 
-def _fit_train(b: pd.DataFrame, skip: int) -> tuple[float, float, str]:
-    """train_s = a + b * x, with x the padded tokens (rows x the batch's longest: a batch padded to
-    its longest sequence pays for its long tail whole, as the real engines' training does) or the
-    tokens trained (as the synthetic DAG's simulated training does), whichever fits the recorded
-    steps better (least squares); (a, b, which)."""
+@dataclass(frozen=True)
+class TrainFit:
+    """train_s = a + slope * x + per_micro * micro-batches, x the padded tokens (each micro-batch
+    padded to its longest row: a batch pays for its long tail, as the real engines' training
+    does) or the tokens trained (as the synthetic DAG's simulated training does). `per_micro`
+    is known (`micro_known`) only where the fitted steps ran different numbers of micro-batches
+    (a recording at one micro_token_budget usually runs one per update: `calibrate_micro`)."""
+
+    a: float
+    slope: float
+    feature: str
+    per_micro: float = 0.0
+    micro_known: bool = False
+
+    def seconds(self, features: dict) -> float:
+        return self.a + self.slope * features[self.feature] + self.per_micro * features["n_micro"]
+
+    def scaled(self, t: float) -> "TrainFit":
+        return dataclasses.replace(self, a=self.a * t, slope=self.slope * t, per_micro=self.per_micro * t)
+
+
+def train_features(row_tokens: list[np.ndarray], budget: int | None) -> dict:
+    """What training computes on, per training rank's rows (tokens each, in order) packed as
+    its engine packs them (models/fsdp.pack_rows; budget None: one micro-batch a rank): tokens,
+    rows, padded tokens (each micro-batch's rows x its longest) and micro-batches, summed."""
+    from distflow_lab.models.fsdp import pack_rows
+
+    out = {"tokens": 0.0, "rows": 0, "padded": 0.0, "n_micro": 0}
+    for rows in row_tokens:
+        rows = np.asarray(rows, float)
+        plan = pack_rows(rows.tolist(), budget) if budget else [list(range(len(rows)))]
+        for ix in filter(None, plan):
+            out["padded"] += len(ix) * float(rows[ix].max())
+        out["tokens"] += float(rows.sum())
+        out["rows"] += len(rows)
+        out["n_micro"] += sum(1 for ix in plan if ix)
+    return out
+
+
+def _fit_train(b: pd.DataFrame, skip: int) -> TrainFit:
+    """TrainFit (least squares over the steps after `skip`) on the feature that fits better;
+    with a per-micro-batch term where the steps' micro-batch counts differ (every term >= 0)."""
     y = b["train_s"].to_numpy(float)[skip:]
+    n = b["n_micro"].to_numpy(float)[skip:] if "n_micro" in b else np.zeros(len(y))
     fits = []
     for feature in TRAIN_FEATURES:
         x = b[feature].to_numpy(float)[skip:]
-        a, slope = _line(x, y)
-        fits.append((float(((a + slope * x - y) ** 2).sum()) if len(y) else 0.0, a, slope, feature))
-    _, a, slope, feature = min(fits, key=lambda f: f[0])
-    return a, slope, feature
+        if len(y) >= 3 and np.ptp(n) > 0:
+            coef = _nonneg_lstsq(np.column_stack([np.ones_like(x), x, n]), y)
+            fit = TrainFit(float(coef[0]), float(coef[1]), feature, float(coef[2]), True)
+        else:
+            fit = TrainFit(*_line(x, y), feature)
+        pred = np.array([fit.seconds({feature: xi, "n_micro": ni}) for xi, ni in zip(x, n)])
+        fits.append((float(((pred - y) ** 2).sum()) if len(y) else 0.0, fit))
+    return min(fits, key=lambda f: f[0])[1]
+
+
+def _nonneg_lstsq(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |a c - y| over c >= 0, for a few columns: the best least-squares fit on every subset
+    of them (the others 0) whose coefficients all come out >= 0."""
+    best, best_r = np.zeros(a.shape[1]), float((y ** 2).sum())
+    for mask in range(1, 2 ** a.shape[1]):
+        cols = [j for j in range(a.shape[1]) if mask >> j & 1]
+        c = np.linalg.lstsq(a[:, cols], y, rcond=None)[0]
+        r = float(((a[:, cols] @ c - y) ** 2).sum())
+        if (c >= 0).all() and r < best_r - 1e-15:
+            best, best_r = np.zeros(a.shape[1]), r
+            best[cols] = c
+    return best
 
 
 def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -360,6 +464,7 @@ class _Source:
     rollout: str
     knobs: Knobs
     colocated: bool
+    micro_token_budget: int | None = None
 
 
 def _knobs_from_params(params: dict) -> Knobs:
@@ -392,8 +497,9 @@ def _from_session(s: Any) -> _Source:
         first = next((st.index for st in plan.stages if st.role in TRAIN_ROLES), len(plan.stages))
         gen = [st.id for st in plan.stages[:first]]
     train = [st.id for st in plan.stages if st.id not in gen]
+    algo = getattr(s.config, "algo", None)
     return _Source(s.spans, s.metrics, s.items(), gen, train, rollout.id, _session_knobs(s, rollout),
-                   not plan.groups)
+                   not plan.groups, algo.actor.micro_token_budget if algo is not None else None)
 
 
 def _from_dir(d: Path, rollout: str, train_from: str | None) -> _Source:
@@ -413,7 +519,7 @@ def _from_dir(d: Path, rollout: str, train_from: str | None) -> _Source:
                    train_from is not None)
 
 
-def _batches(src: _Source) -> pd.DataFrame:
+def _batches(src: _Source) -> tuple[pd.DataFrame, dict[int, list[np.ndarray]]]:
     m = src.metrics
     if m is None or not len(m):
         raise ValueError("the recording has no steps: run the sync schedule first")
@@ -431,14 +537,15 @@ def _batches(src: _Source) -> pd.DataFrame:
     if not len(first_train):
         raise ValueError(f"the recording has no items of the first training stage {src.train_stages[0]!r} "
                          f"(items() is empty: was the run recorded with an older version?)")
-    b["tokens"] = first_train.groupby("batch_id")["tokens"].sum()
-    b["rows"] = first_train.groupby("batch_id").size()
-    b["padded"] = b["rows"] * first_train.groupby("batch_id")["tokens"].max()  # what training computes on
+    row_tokens = {int(r): [g2["tokens"].to_numpy(float) for _, g2 in g.groupby("dp_rank")]
+                  for r, g in first_train.groupby("batch_id")}
+    feats = pd.DataFrame({r: train_features(v, src.micro_token_budget) for r, v in row_tokens.items()}).T
+    b[["tokens", "rows", "padded", "n_micro"]] = feats[["tokens", "rows", "padded", "n_micro"]].astype(float)
     b["rollout_s"] = _stage_seconds(src.spans, [src.rollout])
     b = b.dropna(subset=["gen_s", "train_s", "wall_s", "tokens"])
     b["gap_s"] = (b["wall_s"] - b["gen_s"] - b["train_s"]).clip(lower=0)
     b["rollout_s"] = b["rollout_s"].fillna(0).clip(upper=b["gen_s"])
-    return b.rename_axis("batch")
+    return b.rename_axis("batch"), row_tokens
 
 
 def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollout: str = "rollout",
@@ -449,7 +556,7 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
     if isinstance(source, LaneRecording):
         return source
     src = _from_dir(Path(source), rollout, train_from) if isinstance(source, (str, Path)) else _from_session(source)
-    b = _batches(src)
+    b, row_tokens = _batches(src)
     if not len(b):
         raise ValueError("the recording has no step with lanes and items to replay")
     skip = min(skip, len(b) - 1)
@@ -478,11 +585,11 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
                      f"real engines pay their warm-up again (Knobs.rewarm)")
     return LaneRecording(b, lengths, _fit_train(b, skip), d, p, knobs, {k: (0.0 if math.isnan(v) else v)
                                                                         for k, v in sync.items()},
-                         src.colocated, notes)
+                         src.colocated, notes, row_tokens, src.micro_token_budget)
 
 
 def _dewarm(b: pd.DataFrame, skip: int, lengths: dict[int, list[np.ndarray]], d: float,
-            fit: tuple[float, float]) -> pd.DataFrame:
+            fit: TrainFit) -> pd.DataFrame:
     """The warm-up steps' lanes at the costs fitted on the steps after them: a schedule run on
     warm workers (a reopened session) does not pay a fresh session's first-step costs again."""
     if not skip:
@@ -494,7 +601,7 @@ def _dewarm(b: pd.DataFrame, skip: int, lengths: dict[int, list[np.ndarray]], d:
         longest = max((int(x.max()) for x in lengths.get(int(r), []) if len(x)), default=0)
         rollout = d * longest if longest else float(rest["rollout_s"].median())
         b.loc[r, ["rollout_s", "gen_s", "train_s", "gap_s"]] = [rollout, rollout + other,
-                                                               fit[0] + fit[1] * b.at[r, fit[2]],
+                                                               fit.seconds(b.loc[r]),
                                                                float(rest["gap_s"].median())]
     return b
 
@@ -532,7 +639,7 @@ class _Gen:
     end: float
     start: float
     stale: int = 0  # sequences aged out (dropped or restarted) in this generation
-    padded: float = 0.0  # rows x the longest row: what training computes on
+    row_tokens: np.ndarray | None = None  # a partial batch's rows' tokens (prompt + response), for its training cost
 
     @property
     def version_min(self) -> int:
@@ -630,6 +737,7 @@ class SegmentCosts:
                                  "the recording has none")
             self.decoders = [_Decoder(self._lengths(i, n), rec.prompt_tokens) for i in range(ranks)]
         self.batch_ix = _cycle(n, self.skip)
+        self.ranks = max((len(v) for v in rec.row_tokens.values()), default=1)  # training ranks
         self.generated: dict[int, _Gen] = {}  # batch -> what its generation made
         self.trained: dict[int, float] = {}  # batch -> its training lane's seconds (to the publish)
         self.stale = 0  # sequences aged out (dropped or restarted) by the rollouts
@@ -680,9 +788,8 @@ class SegmentCosts:
                 for v, c in s.versions:
                     tv[v] += c
                 tokens += s.prompt + s.length
-        longest = max((s.prompt + s.length for s in every), default=0.0)
         return _Gen(r, i, version, np.asarray(rows_v, np.int64), tv, tokens, end + other, now, stale,
-                    padded=len(every) * longest)
+                    np.array([s.prompt + s.length for s in every], float))
 
     def train(self, r: int, now: float) -> tuple[float, float]:
         """Training on batch r from `now`: (when it publishes the policy, when its lane ends). Its
@@ -691,9 +798,10 @@ class SegmentCosts:
         g = self.generated[r]
         if self.decoders is None:
             t_s, gap = self._value("train_s", g.ix), self._value("gap_s", g.ix)
-        else:
-            a, b, feature = self.rec.train_fit
-            t_s, gap = a + b * getattr(g, feature), float(np.median(self.cols["gap_s"][self.skip:]))
+        else:  # the training ranks take contiguous shards, as the data plane splits a batch
+            shards = np.array_split(g.row_tokens, max(1, self.ranks))
+            t_s = self.rec.train_fit.seconds(train_features(shards, self.rec.micro_token_budget))
+            gap = float(np.median(self.cols["gap_s"][self.skip:]))
         self.trained[r] = t_s
         return now + t_s, now + t_s + gap
 
@@ -870,11 +978,14 @@ class ScheduleAccuracy:
         return f"<pre>{self!r}</pre>"
 
 
-def measure(s: Any, options: dict, updates: int, skip: int, dag: Any = None) -> dict:
+def measure(s: Any, options: dict, updates: int, skip: int, dag: Any = None, overrides: list[str] | None = None
+            ) -> dict:
     """Run `updates` updates of a schedule (`ScheduleSpec.options`) for real on the session, reopened
-    (same seed; `dag`: another DAG, e.g. regrouped); over the updates after `skip`: trained tokens/s,
-    median step seconds, trainer idle share, the trained samples' staleness distribution, the metrics."""
-    s.reopen(**({"dag": dag} if dag is not None else {}), **options)
+    (same seed; `dag`: another DAG, e.g. regrouped; `overrides`: Session.reopen's); over the updates
+    after `skip`: trained tokens/s, median step seconds, trainer idle share, the trained samples'
+    staleness distribution, the metrics."""
+    s.reopen(**({"dag": dag} if dag is not None else {}), **({"overrides": overrides} if overrides else {}),
+             **options)
     train_stage = next(st.id for st in s.plan.stages if st.group == s.plan.groups[-1][0])
     m = s.run(updates, progress=False)
     m = m[m["update"] >= skip]

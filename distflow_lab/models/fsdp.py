@@ -42,7 +42,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,22 +68,27 @@ Tensor = torch.Tensor
 LossFn = Callable[[dict[str, Tensor], Tensor | None, Tensor | None], tuple[Tensor, Tensor, dict[str, float]]]
 
 
-def micro_batches(attention_mask: Tensor, budget: int) -> list[Tensor]:
-    """Greedy, in row order: consecutive rows whose real-token total (attention_mask
-    sum) fits `budget`; a row longer than the budget is a micro-batch on its own.
-    Every row lands in exactly one micro-batch. Returns int64 index tensors."""
-    out: list[Tensor] = []
+def pack_rows(tokens: Sequence[int], budget: int) -> list[list[int]]:
+    """Greedy, in row order: consecutive rows whose real-token total fits `budget`; a row
+    longer than the budget is a micro-batch on its own. Every row lands in exactly one
+    micro-batch. (The schedule replay packs recorded rows with it to predict another budget.)"""
+    out: list[list[int]] = []
     cur: list[int] = []
     used = 0
-    for i, n in enumerate(attention_mask.sum(-1).tolist()):
+    for i, n in enumerate(tokens):
         if cur and used + n > budget:
-            out.append(torch.tensor(cur, dtype=torch.long))
+            out.append(cur)
             cur, used = [], 0
         cur.append(i)
         used += n
     if cur:
-        out.append(torch.tensor(cur, dtype=torch.long))
+        out.append(cur)
     return out
+
+
+def micro_batches(attention_mask: Tensor, budget: int) -> list[Tensor]:
+    """`pack_rows` of the rows' real tokens (attention_mask sum), as int64 index tensors."""
+    return [torch.tensor(ix, dtype=torch.long) for ix in pack_rows(attention_mask.sum(-1).tolist(), budget)]
 
 
 def forward_span(attention_mask: Tensor, prompt_len: int) -> tuple[int, int]:

@@ -3,7 +3,7 @@ Weights & Biases, through each tool's own client (optional extra:
 `pip install 'distflow_lab[trackers]'`).
 
     loggers = make_loggers(["console", "tensorboard", "mlflow", "wandb"], run_dir, config_dict)
-    for rep in reports:                      # StepReports
+    for rep in reports:                      # UpdateReports
         log_step(loggers, rep)               # = for l in loggers: l.log(rep.update, step_metrics(rep))
     close_all(loggers)
 

@@ -16,8 +16,8 @@ Every public name is importable from here: `from distflow_lab.core.config import
 from __future__ import annotations
 
 from distflow_lab.core.config.base import Strict
-from distflow_lab.core.config.loading import (PRESETS, apply_overrides, cache_root, canonical_key, flat_sections,
-                                              load_model, parse_overrides, parse_run_config, placed_key,
+from distflow_lab.core.config.loading import (ENGINE_KEYS, PRESETS, apply_overrides, cache_root, canonical_key, engine_overrides,
+                                              flat_sections, load_model, parse_overrides, parse_run_config, placed_key,
                                               preset_names, read_yaml, resolve_paths, set_dotted)
 from distflow_lab.core.config.nodes import Contract, DataSpec
 from distflow_lab.core.config.run import (SESSION_KEYS, ActorOptions, LoraOptions, AlgorithmOptions, CriticOptions,
@@ -42,6 +42,6 @@ __all__ = [
     "KLKind", "ActorOptions", "LoraOptions", "CriticOptions", "AlgorithmOptions", "RewardOptions",
     "TrainerOptions", "RunConfig", "SESSION_KEYS", "run_session",
     # loading
-    "set_dotted", "parse_overrides", "flat_sections", "canonical_key", "placed_key", "apply_overrides",
+    "set_dotted", "parse_overrides", "ENGINE_KEYS", "engine_overrides", "flat_sections", "canonical_key", "placed_key", "apply_overrides",
     "load_model", "read_yaml", "PRESETS", "preset_names", "parse_run_config", "cache_root", "resolve_paths",
 ]

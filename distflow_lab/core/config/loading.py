@@ -141,6 +141,28 @@ def parse_run_config(path: str | Path | None = None, overrides: list[str] | None
     return resolve_paths(cfg)
 
 
+ENGINE_KEYS = ("actor.micro_token_budget", "critic.micro_token_budget")
+"""Run-config keys a reopened session may change (`Session.reopen(overrides=...)`): what the
+engines are built with, which leaves the DAG as it is. Others may change the DAG (the stages a
+loss needs, the data): a new session takes them."""
+
+
+def engine_overrides(cfg: RunConfig | None, overrides: list[str]) -> RunConfig:
+    """`cfg` with `a.b=value` overrides of ENGINE_KEYS, checked as a whole."""
+    if cfg is None:
+        raise ConfigError("reopen(overrides=...) changes the run config the engines are built with; this session "
+                          "has none (it runs a DAG without a RunConfig)")
+    keys = {canonical_key(k, flat_sections(RunConfig)): k for k in parse_overrides(overrides)}
+    bad = [k for k in keys if k not in ENGINE_KEYS]
+    if bad:
+        raise ConfigError(f"reopen(overrides=...): {keys[bad[0]]!r} may change the DAG; a reopened session may change "
+                          f"only {list(ENGINE_KEYS)} (open a new session for the rest: lab.rl_session(cfg, overrides))")
+    new = load_model(RunConfig, apply_overrides(cfg.model_dump(exclude_unset=True), overrides, RunConfig), "reopen",
+                     overrides)
+    new.check_sizes()
+    return new
+
+
 def cache_root() -> Path:
     """Where built models, SFT warm starts and generated data are cached: $DISTFLOW_HOME,
     else ~/.cache/distflow_lab. One stable place, whatever the working directory."""
