@@ -125,6 +125,31 @@ def test_closed_form_with_partial_rollouts(tmp_path):
         assert tv_distance(tokens, r.staleness_of(name)) == pytest.approx(0)  # decoded in one go: one version
 
 
+def test_a_streaming_call_returns_whole_prompts_and_drops_them_whole():
+    """A real engine returns a prompt when its longest answer has finished (rollout.n answers a
+    prompt, Knobs.group_size) and drops every answer of a prompt when one ages out. Prompt A's
+    answers take 1 and 10 iterations, B's 2 and 2: a call for one prompt returns B after 2
+    iterations (A's finished answer waits for its sibling); answer by answer it would return A's
+    short one and B's first. The next call, at version 2, finds A's long answer (begun at version
+    0) too old for k=1: A goes whole (both answers aged out) and the call returns prompt C."""
+    from distflow_lab.experiments.schedule_replay import _Decoder
+
+    spec, knobs = parse_schedule("async:k=1:partial"), Knobs(refresh_every=100, between_calls=False)
+
+    def first_call(group_size):
+        dec = _Decoder(iter([np.array([1, 10, 2, 2]), np.array([3, 3])]), 0.0, group_size)
+        dec.admit()
+        out, t, stale = dec.run(0.0, 2, 4, knobs, 1.0, 0, lambda t: 0, spec, 0)
+        return dec, [q.length for q in out], t, stale
+
+    assert first_call(1)[1:] == ([1, 2], 2.0, 0)
+    dec, lengths, t, stale = first_call(2)
+    assert (lengths, t, stale) == ([2, 2], 2.0, 0)
+    dec.admit()
+    out, t, stale = dec.run(2.0, 2, 4, knobs, 1.0, 2, lambda t: 2, spec, 0)
+    assert ([q.length for q in out], t, stale) == ([3, 3], 5.0, 2) and not dec.active and not dec.finished
+
+
 def test_bad_input_is_named(tmp_path):
     for bad, word in (("async:k=2:bogus", "bogus"), (("async", {"max_stalenes": 2}), "max_stalenes"),
                       ("warp", "warp"), (("one_step_off", {"max_staleness": 2}), "max_staleness")):

@@ -37,18 +37,21 @@ Without partial rollouts a batch's samples all carry the version of the generati
 Partial rollouts: the rollout runs `synthetic.StreamingDecoder`'s rules in simulated time on
 each rollout rank: `slots = slots_per_row * rows` sequences decode together, one decode
 iteration (d seconds) gives every active sequence a token stamped with the version held;
-a call returns when `rows` sequences have finished (the rest carry into the next call);
+a call returns when whole prompts with `rows` answers have finished, in the order they
+completed (a real engine's prompt: its rollout.n answers, Knobs.group_size; the synthetic
+decoder's: one), the rest carry into the next call;
 between calls the synthetic decoder keeps decoding with the last version (no admission),
 a real engine does not (Knobs.between_calls); every `refresh_every` iterations the newest
 published version is pulled; sequences older than k versions at the update they would
-train at are dropped (or restarted). d and the prompt length p come from the sync recording:
-the static batch waits for its longest response, so rollout seconds = d * (max item tokens
-- p) per rank and step (least squares). The response lengths are the recorded ones, in
+train at are restarted, or dropped with every started answer of their prompt. d and the
+prompt length p come from the sync recording: the static batch waits for its longest
+response, so rollout seconds = d * (max item tokens - p) per rank and step (least squares). The response lengths are the recorded ones, in
 recorded order per rank (a partial run draws its own: same distribution, not the same
 draws), cycled past the recording. A partial batch holds other sequences than the sync
 batch, usually shorter ones (the long tail carries over, and ages out): T = a + b * padded
-tokens (a real engine's batch pads to its longest row) or trained tokens (the synthetic DAG),
-whichever fits the recorded steps better (least squares), and the
+tokens (a real engine's batch pads to its longest row; + c * micro-batches) or trained tokens
+(the synthetic DAG), whichever fits better (least squares, terms >= 0) over the recorded steps
+and the partial updates `calibrate_lanes` runs (shorter rows than any sync batch), and the
 rest of the generation lane (G_r - rollout_r) as recorded. Refresh pulls cost nothing here
 (about a millisecond each on the bench).
 
@@ -190,6 +193,10 @@ class Knobs:
     contention: tuple[float, float] | None = None
     """(generation, training): how much slower each lane runs while the other runs too (the groups
     share the machine's cores); None: (1, 1), or what `calibrate_lanes` measured."""
+    group_size: int | None = None
+    """Sequences per prompt a streaming call returns whole: a real engine returns a prompt when its
+    longest answer has finished, and drops the prompt whole when one of them ages out (rollout.n);
+    None: 1 (the synthetic decoder returns sequences)."""
     decode_s: float | None = None
     prompt_tokens: float | None = None
 
@@ -219,6 +226,14 @@ def calibrate_lanes(s: Any, rec: "LaneRecording", updates: int = 6, skip: int = 
         notes.append(f"streaming rollout: {fit[0] * 1e3:.1f} ms a call + {fit[1] * 1e3:.2f} ms an iteration "
                      f"(calibrate_streaming), against {rec.decode_s * 1e3:.2f} ms an iteration on the sync run's "
                      f"static batches")
+        # a partial batch holds shorter rows than any sync batch: its training cost is fitted on such batches
+        # too, not extrapolated from the sync ones (where a fixed cost per update hides: HF, tiny model,
+        # 0.05 s predicted against 0.10 s real for a batch of 128 rows of about 10 tokens)
+        rec = refit_training(rec, training_rows(s, skip, rec.micro_token_budget), skip)
+        t = rec.train_fit
+        notes.append(f"training: {t.a * 1e3:.1f} ms + {t.slope * 1e6:.2f} us a {t.feature} token"
+                     + (f" + {t.per_micro * 1e3:.1f} ms a micro-batch" if t.micro_known else "")
+                     + " (fitted on the recording and the partial updates of calibrate_streaming)")
     return dataclasses.replace(rec, knobs=knobs, notes=[*rec.notes, *notes])
 
 
@@ -234,14 +249,40 @@ def calibrate_micro(s: Any, rec: "LaneRecording", budget: int, updates: int = 6,
     s.reopen(schedule="sync", overrides=[f"actor.micro_token_budget={budget}"])
     try:
         s.run(updates, progress=False)
-        cal = load_lanes(s, skip=skip, knobs=rec.knobs)
+        rows = training_rows(s, skip, budget)
     finally:
         s.reopen(overrides=[f"actor.micro_token_budget={rec.micro_token_budget}"])
-    fit = _fit_train(pd.concat([rec.batches.iloc[skip:], cal.batches.iloc[skip:]]), 0)
+    rec = refit_training(rec, rows, skip)
+    fit = rec.train_fit
     what = (f"{fit.per_micro * 1e3:.1f} ms a micro-batch" if fit.micro_known else
             "no cost per micro-batch that fits (the steps at both budgets ran as many micro-batches, or it came out < 0)")
     return dataclasses.replace(rec, train_fit=fit, notes=[*rec.notes, f"training: {what} (calibrate_micro: "
                                                                       f"{updates} sync updates at budget {budget})"])
+
+
+def training_rows(s: Any, skip: int, budget: int | None) -> pd.DataFrame:
+    """Per update of the session's current run (any schedule), after `skip`: its training lane's
+    seconds ((1 - schedule/trainer_idle) x wall, as in a recording) and what it trained on
+    (`train_features` of the first training stage's rows per rank, packed at `budget`)."""
+    m = s.metrics
+    m = m[m["update"] >= skip].set_index("update")
+    train_stage = next(st.id for st in s.plan.stages if st.group == s.plan.groups[-1][0])
+    it = s.items()
+    it = it[(it["stage"] == train_stage) & it["update"].isin(m.index)]
+    feats = {int(u): train_features([g2["tokens"].to_numpy(float) for _, g2 in g.groupby("dp_rank")], budget)
+             for u, g in it.groupby("update")}
+    out = pd.DataFrame(feats).T.astype(float)
+    out["train_s"] = ((1 - m["schedule/trainer_idle"].astype(float)).clip(0, 1) * m["wall_s"].astype(float)
+                      ).reindex(out.index)
+    return out.dropna()
+
+
+def refit_training(rec: "LaneRecording", rows: pd.DataFrame, skip: int) -> "LaneRecording":
+    """The recording with `rows` (a calibration's `training_rows`) added to what its training fit
+    uses, and the fit redone over its batches after `skip` and every such row."""
+    rows = rows if rec.fit_rows is None else pd.concat([rec.fit_rows, rows], ignore_index=True)
+    fit = _fit_train(pd.concat([rec.batches.iloc[skip:], rows], ignore_index=True), 0)
+    return dataclasses.replace(rec, fit_rows=rows, train_fit=fit)
 
 
 def with_micro_budget(rec: "LaneRecording", budget: int) -> "LaneRecording":
@@ -333,6 +374,7 @@ class LaneRecording:
     notes: list[str] = field(default_factory=list)
     row_tokens: dict[int, list[np.ndarray]] = field(default_factory=dict)  # batch -> per training rank: its rows' tokens
     micro_token_budget: int | None = None  # the training engine's (actor.micro_token_budget); None: one micro-batch
+    fit_rows: pd.DataFrame | None = None  # calibration updates the training fit also uses: train_s and features
 
 
 def _lanes_from_metrics(m: pd.DataFrame) -> pd.DataFrame:
@@ -477,7 +519,7 @@ def _session_knobs(s: Any, rollout: Any) -> Knobs:
         from distflow_lab.algos.streaming import REFRESH_EVERY, SLOTS_PER_ROW
 
         return Knobs(slots_per_row=float(SLOTS_PER_ROW), refresh_every=REFRESH_EVERY, between_calls=False,
-                     rewarm=True)
+                     rewarm=True, group_size=s.config.algo.rollout.n)
     return _knobs_from_params(rollout.params)
 
 
@@ -614,6 +656,7 @@ class _Seq:
     prompt: float
     versions: list[tuple[int, int]] = field(default_factory=list)  # (version, tokens), in decode order
     done: int = 0
+    group: int = 0  # the prompt it answers (Knobs.group_size answers a prompt)
 
     @property
     def left(self) -> int:
@@ -649,15 +692,21 @@ class _Gen:
 class _Decoder:
     """`synthetic.StreamingDecoder` in simulated time (one per rollout rank)."""
 
-    def __init__(self, stream: Iterator[np.ndarray], prompt: float) -> None:
-        self.stream, self.prompt = stream, prompt
+    def __init__(self, stream: Iterator[np.ndarray], prompt: float, group_size: int = 1) -> None:
+        self.stream, self.prompt, self.group_size = stream, prompt, max(1, group_size)
         self.waiting: deque[_Seq] = deque()
         self.active: list[_Seq] = []
         self.finished: list[_Seq] = []
         self.paused: tuple[float, int] | None = None
+        self.sizes: dict[int, int] = {}  # prompt -> its answers
+        self.next_group = 0
 
     def admit(self) -> int:
-        new = [_Seq(int(n), self.prompt) for n in next(self.stream)]
+        lengths = next(self.stream)  # a rank's recorded rows: a prompt's answers are consecutive
+        new = [_Seq(int(n), self.prompt, group=self.next_group + j // self.group_size) for j, n in enumerate(lengths)]
+        for q in new:
+            self.sizes[q.group] = self.sizes.get(q.group, 0) + 1
+        self.next_group += -(-len(new) // self.group_size)
         self.waiting.extend(new)
         return len(new)
 
@@ -671,26 +720,39 @@ class _Decoder:
         self.finished += [s for s in sorted(self.active, key=lambda s: s.left) if s.left <= 0]
         self.active = [s for s in self.active if s.left > 0]
 
-    def _age_out(self, seqs: list[_Seq], version: int, spec: ScheduleSpec, trains_by: int) -> tuple[list[_Seq], int]:
-        trains_at, keep, stale = max(version, trains_by), [], 0
-        for s in seqs:
-            if s.versions and trains_at - s.versions[0][0] > spec.k:
-                stale += 1
-                if spec.on_stale == "regenerate":
-                    self.waiting.appendleft(_Seq(s.length, s.prompt))
-                continue
-            keep.append(s)
-        return keep, stale
+    def _age_out(self, done: list[_Seq], version: int, spec: ScheduleSpec, trains_by: int, check_done: bool
+                 ) -> tuple[list[_Seq], int]:
+        """Sequences too old to train at the update they would train at (of `done`, when `check_done`,
+        and the active ones): restarted (on_stale regenerate), or dropped with every started or
+        finished answer of their prompt; (what is left of `done`, how many aged out)."""
+        trains_at = max(version, trains_by)
+        old = [s for s in (done if check_done else []) + self.active
+               if s.versions and trains_at - s.versions[0][0] > spec.k]
+        if not old:
+            return done, 0
+        if spec.on_stale == "regenerate":  # the prompt waits for its restarted answers
+            gone = {id(s) for s in old}
+            for s in old:
+                self.waiting.appendleft(_Seq(s.length, s.prompt, group=s.group))
+        else:
+            groups = {s.group for s in old}
+            gone = {id(s) for s in done + self.active if s.group in groups}
+            self.waiting = deque(s for s in self.waiting if s.group not in groups)  # not started: not counted
+            for g in groups:
+                self.sizes[g] = 0  # nothing of it is waited for any more
+        self.active = [s for s in self.active if id(s) not in gone]
+        return [s for s in done if id(s) not in gone], len(gone)
 
     def run(self, now: float, rows: int, slots: int, knobs: Knobs, d: float, version: int, published,
             spec: ScheduleSpec, trains_by: int) -> tuple[list[_Seq], float, int]:
-        """Decode until `rows` sequences finished; (them, the time it returns, sequences aged out)."""
+        """Decode until `rows` answers of whole prompts finished; (them, in the order their prompts
+        completed, the time it returns, sequences aged out)."""
         if knobs.between_calls is not False:
             self._between_calls(now, d)
-        done, s1 = self._age_out(self.finished, version, spec, trains_by)
-        self.active, s2 = self._age_out(self.active, version, spec, trains_by)
-        self.finished, stale, t, until = [], s1 + s2, now, knobs.refresh_every
-        while len(done) < rows:
+        done, self.finished = self.finished, []
+        done, stale = self._age_out(done, version, spec, trains_by, True)
+        t, until = now, knobs.refresh_every
+        while self._whole(done) < rows:
             while len(self.active) < slots and self.waiting:
                 self.active.append(self.waiting.popleft())
             if not self.active:
@@ -704,11 +766,29 @@ class _Decoder:
             until -= step
             if until <= 0:
                 version = published(t)
-                self.active, n = self._age_out(self.active, version, spec, trains_by)
+                done, n = self._age_out(done, version, spec, trains_by, False)
                 stale, until = stale + n, knobs.refresh_every
-        done, self.finished = done[:rows], done[rows:]
+        out, self.finished = self._take(done, rows)
         self.paused = (t, version)
-        return done, t, stale
+        return out, t, stale
+
+    def _complete(self, done: list[_Seq]) -> list[int]:
+        """The prompts all of whose answers are in `done` (finish order), in the order they completed."""
+        count, last = Counter(s.group for s in done), {s.group: i for i, s in enumerate(done)}
+        return sorted((g for g, c in count.items() if c >= self.sizes[g]), key=last.__getitem__)
+
+    def _whole(self, done: list[_Seq]) -> int:
+        return sum(self.sizes[g] for g in self._complete(done))
+
+    def _take(self, done: list[_Seq], rows: int) -> tuple[list[_Seq], list[_Seq]]:
+        """(the first completed prompts' answers, up to `rows`; the rest of `done`)."""
+        take, n = set(), 0
+        for g in self._complete(done):
+            if n + self.sizes[g] > rows:
+                break
+            take.add(g)
+            n += self.sizes[g]
+        return [s for s in done if s.group in take], [s for s in done if s.group not in take]
 
 
 def _cycle(n: int, skip: int) -> Iterator[int]:
@@ -735,7 +815,8 @@ class SegmentCosts:
             if not ranks:
                 raise ValueError("partial rollouts need the rollout's per-sequence lengths (its items); "
                                  "the recording has none")
-            self.decoders = [_Decoder(self._lengths(i, n), rec.prompt_tokens) for i in range(ranks)]
+            self.decoders = [_Decoder(self._lengths(i, n), rec.prompt_tokens, rec.knobs.group_size or 1)
+                             for i in range(ranks)]
         self.batch_ix = _cycle(n, self.skip)
         self.ranks = max((len(v) for v in rec.row_tokens.values()), default=1)  # training ranks
         self.generated: dict[int, _Gen] = {}  # batch -> what its generation made
