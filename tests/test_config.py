@@ -261,3 +261,22 @@ def test_a_mapped_load_or_a_delta_needs_an_hf_rollout_of_the_full_policy(overrid
         load_run_config("tiny-cpu-grpo", ["weight_sync.mode=delta", override]).check_sizes()
     with pytest.raises(ConfigError, match="weight_sync.mode=delta patches the rollout's own weights, and load=map"):
         load_run_config("tiny-cpu-grpo", ["weight_sync.mode=delta", "weight_sync.load=map"]).check_sizes()
+
+
+@pytest.mark.parametrize("preset", ["tiny-cpu-grpo", "tiny-cpu-ppo", "tiny-cpu-dapo", "tiny-cpu-gspo"])
+def test_reopen_overrides_change_only_the_engine_keys(preset):
+    """Session.reopen(overrides=...) rebuilds the engines from the run config with only the given
+    micro-batch budgets changed, for every algorithm (the algorithm's own defaults survive the
+    round trip); a key that may change the DAG is refused by name."""
+    from distflow_lab.algos.registry import load_run_config
+    from distflow_lab.core.config import engine_overrides
+
+    cfg = load_run_config(preset)
+    new = engine_overrides(cfg, ["actor.micro_token_budget=512", "critic.micro_token_budget=256"])
+    assert new.model_dump() == cfg.model_copy(update={
+        "actor": cfg.actor.model_copy(update={"micro_token_budget": 512}),
+        "critic": cfg.critic.model_copy(update={"micro_token_budget": 256})}).model_dump()
+    with pytest.raises(ConfigError, match="'rollout.n' may change the DAG"):
+        engine_overrides(cfg, ["rollout.n=2"])
+    with pytest.raises(ConfigError, match="has none"):
+        engine_overrides(None, ["actor.micro_token_budget=512"])

@@ -151,7 +151,7 @@ def advise(source: Any, *, max_staleness: int = 2, budget: int | None = None,
         raise ValueError(f"advise: splits must be (generation workers, training workers), each >= 1; got {bad}")
     rows = []
     for mtb in budgets:
-        at_mtb = with_micro_budget(rec, mtb) if mtb is not None else rec
+        at_mtb = with_micro_budget(rec, mtb)  # the recording itself at its own budget
         for split in splits:
             r = replay_schedules(rescale(at_mtb, split, recorded), candidate_schedules(max_staleness),
                                  updates=updates, skip=skip)

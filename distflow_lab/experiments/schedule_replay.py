@@ -265,16 +265,18 @@ def training_rows(s: Any, skip: int, budget: int | None) -> pd.DataFrame:
     seconds ((1 - schedule/trainer_idle) x wall, as in a recording) and what it trained on
     (`train_features` of the first training stage's rows per rank, packed at `budget`)."""
     m = s.metrics
-    m = m[m["update"] >= skip].set_index("update")
+    lanes = _lanes_from_metrics(m[m["update"] >= skip])
     train_stage = next(st.id for st in s.plan.stages if st.group == s.plan.groups[-1][0])
     it = s.items()
-    it = it[(it["stage"] == train_stage) & it["update"].isin(m.index)]
-    feats = {int(u): train_features([g2["tokens"].to_numpy(float) for _, g2 in g.groupby("dp_rank")], budget)
-             for u, g in it.groupby("update")}
-    out = pd.DataFrame(feats).T.astype(float)
-    out["train_s"] = ((1 - m["schedule/trainer_idle"].astype(float)).clip(0, 1) * m["wall_s"].astype(float)
-                      ).reindex(out.index)
+    it = it[(it["stage"] == train_stage) & it["update"].isin(lanes.index)]
+    out = pd.DataFrame({u: train_features(v, budget) for u, v in _rows_per_rank(it, "update").items()}).T.astype(float)
+    out["train_s"] = lanes["train_s"].reindex(out.index)
     return out.dropna()
+
+
+def _rows_per_rank(items: pd.DataFrame, by: str) -> dict[int, list[np.ndarray]]:
+    """Per `by` (batch_id or update): each data-parallel rank's rows' tokens, in order."""
+    return {int(k): [g2["tokens"].to_numpy(float) for _, g2 in g.groupby("dp_rank")] for k, g in items.groupby(by)}
 
 
 def refit_training(rec: "LaneRecording", rows: pd.DataFrame, skip: int) -> "LaneRecording":
@@ -579,8 +581,7 @@ def _batches(src: _Source) -> tuple[pd.DataFrame, dict[int, list[np.ndarray]]]:
     if not len(first_train):
         raise ValueError(f"the recording has no items of the first training stage {src.train_stages[0]!r} "
                          f"(items() is empty: was the run recorded with an older version?)")
-    row_tokens = {int(r): [g2["tokens"].to_numpy(float) for _, g2 in g.groupby("dp_rank")]
-                  for r, g in first_train.groupby("batch_id")}
+    row_tokens = _rows_per_rank(first_train, "batch_id")
     feats = pd.DataFrame({r: train_features(v, src.micro_token_budget) for r, v in row_tokens.items()}).T
     b[["tokens", "rows", "padded", "n_micro"]] = feats[["tokens", "rows", "padded", "n_micro"]].astype(float)
     b["rollout_s"] = _stage_seconds(src.spans, [src.rollout])
