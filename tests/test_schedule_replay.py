@@ -174,10 +174,17 @@ def test_bad_input_is_named(tmp_path):
 @pytest.mark.full
 def test_schedule_replay_matches_real_runs(ray_cluster):
     """Record sync on worker groups, replay, run each schedule for real (same seed, same batches).
-    The async bench's long-tail DAG at its own size (steps of 0.4-0.9 s): at half the simulated
-    costs, generation and training are so close that a few ms of timing noise decide whether
-    generation ran one or two batches ahead (async k=2 TV 0.5 in one run of three)."""
-    acc = schedule_replay_accuracy(["one_step_off", "async:k=2", "async:k=2:partial"], steps=6, warmup=2)
+    The async bench's long-tail DAG with decoding 30 % faster than its own (700 us an iteration):
+    at its own size generation only just keeps up with training, and in two fresh-clone CI runs
+    of the whole suite the recording came out 5-10 % slower than the real runs that followed, so
+    the replay put async k=2 on the other side of that edge (2 of 6 updates one version fresher,
+    TV 0.33) although it passed alone every time. Here generation has a margin such a drift
+    cannot cross, so the staleness asserted is the scheduler's, not the machine's. (The edge is
+    the jitter test's, above, and the benchmark's: `--engine synthetic`.)"""
+    from distflow_lab.experiments.bench.async_schedules import long_tail_dag
+
+    acc = schedule_replay_accuracy(["one_step_off", "async:k=2", "async:k=2:partial"], steps=6, warmup=2,
+                                   dag=long_tail_dag(workers=4, decode_us=700.0))
     print(acc)
     t = acc.table.set_index("schedule")
     assert acc.median_abs_error <= 0.10, acc  # the target (README), over the schedules
@@ -317,3 +324,32 @@ def test_repeated_real_runs_are_pooled_and_their_spread_reported():
     assert both["dist"].to_dict() == pytest.approx({2: 0.125, 3: 0.25, 4: 0.625})
     assert _rerun([a, b]) == pytest.approx({"tv_rerun": 0.25, "rerun_error": 0.25})
     assert _pooled([a]) is a and _rerun([a]) == {}
+
+
+def test_drawn_call_seconds_mix_staleness_only_where_generation_just_keeps_up(tmp_path):
+    """async k=2 with generation just faster than training (G 0.29 s, T 0.3 s): without jitter the
+    replay runs generation at its bound every update (staleness 2, all or nothing); with calls
+    drawn 10 % around the model, some updates find generation behind and train a batch one
+    version fresher: a mixture, the same for the same seed. Far from that edge (G 0.1 s) the same
+    jitter changes nothing. fit_jitter reads the spread back from a run's calls."""
+    from distflow_lab.experiments.schedule_replay import fit_jitter, load_lanes
+
+    def dist(G, jitter, samples=None):
+        rec = load_lanes(_write_run(tmp_path, [G] * 12, [0.3] * 12), skip=0)
+        rec = dataclasses.replace(rec, knobs=dataclasses.replace(rec.knobs, jitter=jitter))
+        return replay_schedules(rec, ["async:k=2"], skip=2, samples=samples).staleness_of("async k=2")
+
+    assert dist(0.29, None).to_dict() == {2: 1.0}
+    mixed = dist(0.29, 0.1)
+    assert 0 < mixed.get(1, 0) < 0.5 and mixed.sum() == pytest.approx(1), mixed
+    assert dist(0.29, 0.1).equals(mixed) and not dist(0.29, 0.1, samples=4).equals(mixed)
+    assert dist(0.1, 0.1).to_dict() == {2: 1.0}
+
+    rec = load_lanes(_write_run(tmp_path, [0.2] * 8, [0.3] * 8), skip=0)  # alone, no overlap: model = recording
+    rng = np.random.default_rng(0)
+    spread = np.exp(rng.normal(0, 0.05, 16))
+    busy = {"generate": [(10.0 * r, 10.0 * r + 0.2 * spread[r]) for r in range(8)],
+            "train": [(10.0 * r + 5, 10.0 * r + 5 + 0.3 * spread[8 + r]) for r in range(8)]}
+    assert fit_jitter(rec, busy, 0, (1.0, 1.0)) == pytest.approx(np.std(np.log(spread)))
+    with pytest.raises(ValueError, match="samples"):
+        replay_schedules(rec, ["one_step_off"], samples=0)

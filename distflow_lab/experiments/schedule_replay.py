@@ -166,6 +166,7 @@ def parse_schedules(schedule: Any) -> list[ScheduleSpec]:
 # ---- the recording -------------------------------------------------------------------------------
 
 DEFAULT_KNOBS = {"slots_per_row": 2.0, "refresh_every": 16}  # SyntheticParams' defaults (a test checks)
+SAMPLES = 16  # replays per schedule when the calls' seconds are drawn (Knobs.jitter); a few ms each
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,11 @@ class Knobs:
     """Sequences per prompt a streaming call returns whole: a real engine returns a prompt when its
     longest answer has finished, and drops the prompt whole when one of them ages out (rollout.n);
     None: 1 (the synthetic decoder returns sequences)."""
+    jitter: float | None = None
+    """How much a real lane call's seconds vary around the cost model (standard deviation of the
+    log of real / modelled seconds, `fit_jitter` on calibrate_lanes' run); the replay then runs each
+    schedule `samples` times with every call's seconds drawn around the model's (SimDispatch) and
+    pools them. None: 0, one deterministic replay."""
     decode_s: float | None = None
     prompt_tokens: float | None = None
 
@@ -218,8 +224,10 @@ def calibrate_lanes(s: Any, rec: "LaneRecording", updates: int = 6, skip: int = 
     s.run(updates, progress=False)
     busy = s.controller.schedule.stats.busy  # (start, end) per lane call, in launch order
     f = fit_contention(rec, busy, skip)
-    knobs = dataclasses.replace(rec.knobs, contention=f)
-    notes = [f"contention: each lane {f[0]:.3f}x slower while the other runs too (calibrate_lanes)"]
+    jitter = fit_jitter(rec, busy, skip, f)
+    knobs = dataclasses.replace(rec.knobs, contention=f, jitter=jitter)
+    notes = [f"contention: each lane {f[0]:.3f}x slower while the other runs too; a lane call within "
+             f"{jitter:.1%} (log spread) of that model (calibrate_lanes)"]
     fit = calibrate_streaming(s, updates, skip) if streaming else None
     if fit is not None:
         knobs = dataclasses.replace(knobs, stream_call_s=fit[0], stream_decode_s=fit[1])
@@ -324,15 +332,34 @@ def fit_contention(rec: "LaneRecording", busy: dict[str, list[tuple[float, float
     `skip`, one f for both (fitted per lane from ten updates, the generation lane's f swung from 1.0
     to 1.8 between two vLLM runs; pooled it stays within 1.00-1.10). 1.0 where nothing overlapped
     or nothing slowed down."""
-    x, y = [], []
+    x, d, s = _lane_calls(rec, busy, skip)
+    y = d - s
+    c = float(np.clip((x * y).sum() / (x * x).sum(), 0.0, 0.9)) if (x * x).sum() > 0 else 0.0  # 1 - 1/f
+    return 1.0 / (1.0 - c), 1.0 / (1.0 - c)
+
+
+def fit_jitter(rec: "LaneRecording", busy: dict[str, list[tuple[float, float]]], skip: int,
+               contention: tuple[float, float]) -> float:
+    """How far the calls of the same run vary around the contention model: the standard deviation
+    of log(real / modelled seconds) over both lanes' calls after `skip` (0 with fewer than 3)."""
+    x, d, s = _lane_calls(rec, busy, skip)
+    model = s + x * (1.0 - 1.0 / contention[0])
+    ok = (model > 0) & (d > 0)
+    return float(np.std(np.log(d[ok] / model[ok]))) if ok.sum() >= 3 else 0.0
+
+
+def _lane_calls(rec: "LaneRecording", busy: dict[str, list[tuple[float, float]]], skip: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Both lanes' calls after `skip` of a run of the recording's batches: (seconds it overlapped
+    the other lane, its seconds, the sync recording's seconds of the same batch's lane)."""
+    x, d, s = [], [], []
     for kind, other, col in (("generate", "train", "gen_s"), ("train", "generate", "train_s")):
         for r, (a, b) in enumerate(busy[kind]):
             if r >= skip and r in rec.batches.index:
                 x.append(_overlap(a, b, busy[other]))
-                y.append((b - a) - float(rec.batches.at[r, col]))
-    x, y = np.asarray(x), np.asarray(y)
-    c = float(np.clip((x * y).sum() / (x * x).sum(), 0.0, 0.9)) if (x * x).sum() > 0 else 0.0  # 1 - 1/f
-    return 1.0 / (1.0 - c), 1.0 / (1.0 - c)
+                d.append(b - a)
+                s.append(float(rec.batches.at[r, col]))
+    return np.asarray(x, float), np.asarray(d, float), np.asarray(s, float)
 
 
 def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> tuple[float, float] | None:
@@ -888,15 +915,17 @@ class SegmentCosts:
         return now + t_s, now + t_s + gap
 
 
-def run_schedule(rec: LaneRecording, spec: ScheduleSpec, updates: int, skip: int = 1) -> tuple[pd.DataFrame, dict]:
+def run_schedule(rec: LaneRecording, spec: ScheduleSpec, updates: int, skip: int = 1, seed: int = 0
+                 ) -> tuple[pd.DataFrame, dict]:
     """`updates` training updates of `spec` from a cold start: the scheduler's own `Lanes` in
-    simulated time over this recording's costs. One row per update, and totals."""
+    simulated time over this recording's costs (each call's seconds drawn from `seed` around
+    them when the knobs have a jitter). One row per update, and totals."""
     from distflow_lab.experiments.sim_dispatch import SimDispatch
     from distflow_lab.runtime.schedule import ScheduleSetup
     from distflow_lab.runtime.schedule_lanes import Lanes
 
     costs = SegmentCosts(rec, spec, skip)
-    sim = SimDispatch(costs, *(rec.knobs.contention or (1.0, 1.0)))
+    sim = SimDispatch(costs, *(rec.knobs.contention or (1.0, 1.0)), jitter=rec.knobs.jitter or 0.0, seed=seed)
     lanes = Lanes(ScheduleSetup(_two_groups(), "replay", spec.schedule, sim.dispatch(), None, 0))
     rows, busy = [], []
     for _ in range(updates):
@@ -965,7 +994,9 @@ class ScheduleReplay:
         return (f"Schedule replay of a sync run ({len(rec.batches)} steps; medians: generation {med['gen_s']:.3f} s, "
                 f"training {med['train_s']:.3f} s, driver {med['gap_s']:.3f} s; weight sync: pull "
                 f"{rec.weight_sync['pull_s'] * 1e3:.1f} ms, publish {rec.weight_sync['publish_s'] * 1e3:.1f} ms; "
-                f"decode {rec.decode_s * 1e3:.2f} ms/iteration)")
+                f"decode {rec.decode_s * 1e3:.2f} ms/iteration"
+                + (f"; {self.table['sample'].nunique()} replays a schedule, each call's seconds drawn "
+                   f"{rec.knobs.jitter:.1%} around the model" if rec.knobs.jitter else "") + ")")
 
     _COLS = ["schedule", "step_s", "tokens_per_s", "samples_per_s", "speedup_vs_sync", "trainer_idle",
              "rollout_idle", "staleness_mean", "staleness_dist", "dropped_batches"]
@@ -996,24 +1027,32 @@ def _summarize(spec: ScheduleSpec, t: pd.DataFrame, totals: dict, skip: int) -> 
             "trainer_idle": float((1 - m["train_s"] / m["wall_s"]).clip(lower=0).mean()),
             "rollout_idle": float((1 - m["rollout_busy_s"] / m["wall_s"]).clip(lower=0).mean()),
             "staleness_mean": float((rows.index.to_numpy(float) * rows.to_numpy()).sum()),
-            "staleness_dist": _dist_text(rows), "updates": len(m), "options": spec.options, **totals}
+            "staleness_dist": _dist_text(rows), "updates": m["update"].nunique(), "options": spec.options, **totals}
 
 
 def replay_schedules(source: Any, schedule: Any = ("sync", "one_step_off", "async:k=2", "async:k=2:partial"), *,
                      updates: int | None = None, skip: int = 1, knobs: Knobs | None = None,
-                     rollout: str = "rollout", train_from: str | None = None) -> ScheduleReplay:
+                     rollout: str = "rollout", train_from: str | None = None, samples: int | None = None
+                     ) -> ScheduleReplay:
     """Predict each schedule from a recorded sync run (a Session, a run dir, or a LaneRecording).
     `updates`: training updates to simulate from a cold start (default: as many as recorded);
     the first `skip` are warm-up, left out of the summary; `knobs`: the streaming decoder's
-    (default: the rollout node's params, or SyntheticParams' defaults)."""
+    (default: the rollout node's params, or SyntheticParams' defaults). `samples`: replays per
+    schedule, pooled (the table has a `sample` column); they differ only where the knobs have a
+    jitter (calibrate_lanes measures it). None: SAMPLES with a jitter, else 1."""
     specs = parse_schedules(schedule)
     rec = load_lanes(source, skip=skip, knobs=knobs, rollout=rollout, train_from=train_from)
     updates = updates or len(rec.batches)
     if updates <= skip:
         raise ValueError(f"updates={updates} leaves nothing after the {skip} warm-up updates (skip)")
+    samples = (SAMPLES if rec.knobs.jitter else 1) if samples is None else samples
+    if samples < 1:
+        raise ValueError(f"samples={samples}: a replay needs at least one sample")
     tables, rows, dists = [], [], []
     for spec in specs:
-        t, totals = run_schedule(rec, spec, updates, skip)
+        runs = [run_schedule(rec, spec, updates, skip, seed) for seed in range(samples)]
+        t = pd.concat([t.assign(sample=i) for i, (t, _) in enumerate(runs)], ignore_index=True)
+        totals = {k: float(np.mean([tot[k] for _, tot in runs])) for k in runs[0][1]}
         tables.append(t.assign(schedule=spec.name))
         rows.append(_summarize(spec, t, totals, skip))
         m = t[t["update"] >= skip]
@@ -1052,7 +1091,7 @@ class ScheduleAccuracy:
     def __repr__(self) -> str:
         cols = ["schedule", "predicted_tokens_per_s", "real_tokens_per_s", "error", "tv", "predicted_staleness",
                 "real_staleness", "predicted_step_s", "real_step_s", "predicted_trainer_idle", "real_trainer_idle",
-                *[c for c in ("tv_rerun", "rerun_error") if c in self.table]]
+                *[c for c in ("tv_rerun", "rerun_error", "tv_fixed", "error_fixed") if c in self.table]]
         return (f"schedule replay vs real runs: median |throughput error| {self.median_abs_error:.1%}, "
                 f"max TV {self.max_tv:.3f}\n{self.table[cols].round(3).to_string(index=False)}")
 
@@ -1093,7 +1132,8 @@ def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:
     decode cost (`calibrate_lanes`; 0: none). `repeats=2` runs every schedule twice (all of them,
     then all again): the prediction is compared with the two runs pooled, and `tv_rerun` /
     `rerun_error` say how far the two real runs of one schedule are from each other, the floor
-    under any prediction's error."""
+    under any prediction's error. With a measured jitter (calibrate_lanes), `tv_fixed` and
+    `error_fixed` are the same recording replayed once at the model's seconds, for comparison."""
     from distflow_lab.api.session import Session
     from distflow_lab.experiments.bench.async_schedules import long_tail_dag
 
@@ -1109,6 +1149,9 @@ def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:
         if calibrate:
             rec = calibrate_lanes(s, rec, calibrate, min(warmup, calibrate - 1), any(sp.partial for sp in specs))
         predicted = replay_schedules(rec, [parse_schedule("sync"), *specs], updates=updates, skip=warmup)
+        # the same recording replayed once, every call at the model's seconds: what drawing them buys
+        fixed = replay_schedules(dataclasses.replace(rec, knobs=dataclasses.replace(rec.knobs, jitter=None)),
+                                 specs, updates=updates, skip=warmup) if rec.knobs.jitter else None
         runs = {spec.name: [] for spec in specs}
         for _ in range(repeats):  # interleaved: a drift in the machine's speed spreads over every schedule
             for spec in specs:
@@ -1126,7 +1169,11 @@ def schedule_replay_accuracy(schedules: Iterable[Any] = ("one_step_off", "async:
                      "tv": tv_distance(pd_dist, r["dist"]), "predicted_staleness": _dist_text(pd_dist),
                      "real_staleness": _dist_text(r["dist"]), "predicted_step_s": q["step_s"],
                      "real_step_s": r["step_s"], "predicted_trainer_idle": q["trainer_idle"],
-                     "real_trainer_idle": r["trainer_idle"], **_rerun(runs[spec.name])})
+                     "real_trainer_idle": r["trainer_idle"], **_rerun(runs[spec.name]),
+                     **({} if fixed is None else {
+                         "tv_fixed": tv_distance(fixed.staleness_of(spec.name), r["dist"]),
+                         "error_fixed": fixed.summary.set_index("schedule").at[spec.name, "tokens_per_s"]
+                         / r["tokens_per_s"] - 1})})
     table = pd.DataFrame(rows)
     table["abs_error"] = table["error"].abs()
     real = {k: pd.concat([v["metrics"].assign(repeat=i) for i, v in enumerate(vs)], ignore_index=True)

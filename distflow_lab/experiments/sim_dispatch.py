@@ -13,13 +13,20 @@ A cost model (`SegmentCosts` in schedule_replay.py) answers two questions:
 `published(t)` is the newest version published by time t (what a streaming rollout pulls
 between decode chunks). The model's seconds are a lane's alone; while both lanes run, each
 runs slower: the generation lane `gen_contention` times, the training lane `train_contention`
-times (the groups share the machine's cores).
+times (the groups share the machine's cores). With `jitter` > 0 every call's seconds are the
+model's times a log-normal factor of that spread (mean 1, drawn from `seed`): a real run's
+calls vary around any cost model, and where generation just keeps up with training that
+variation decides which batches train one version fresher, so a replay that samples it
+predicts a mixture where one without it predicts all or nothing.
 """
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
+
+import numpy as np
 
 from distflow_lab.dataplane.interface import EndOfBatch
 from distflow_lab.runtime.schedule import Dispatch
@@ -48,10 +55,13 @@ class SimCall:
 
 class SimDispatch:
     """`gen_contention`, `train_contention`: how much slower each lane runs while the other one runs
-    too (the machine's cores are one resource; 1.0: independent groups)."""
+    too (the machine's cores are one resource; 1.0: independent groups). `jitter`: the spread
+    (standard deviation of the log) of a call's seconds around the cost model; 0: none."""
 
-    def __init__(self, costs: SegmentCostModel, gen_contention: float = 1.0, train_contention: float = 1.0) -> None:
+    def __init__(self, costs: SegmentCostModel, gen_contention: float = 1.0, train_contention: float = 1.0,
+                 jitter: float = 0.0, seed: int = 0) -> None:
         self.costs = costs
+        self.jitter, self.rng = jitter, np.random.default_rng(seed)
         self.slowdown = {"generate": gen_contention, "train": train_contention}
         self.now = 0.0
         self.updates = 0  # training segments started: update t is the t-th
@@ -118,6 +128,10 @@ class SimDispatch:
                         publish_left=publish - self.now)
         else:
             raise ValueError(f"a simulated dispatch runs generate_segment and train_segment, not {method!r}")
+        if self.jitter > 0:  # mean 1: the expected seconds stay the model's
+            f = math.exp(self.rng.normal(-self.jitter ** 2 / 2, self.jitter))
+            c.left *= f
+            c.publish_left = None if c.publish_left is None else c.publish_left * f
         if c.left <= 0:
             c.end = self.now
             if c.publish_left is not None:
