@@ -44,12 +44,13 @@ def test_async_with_k0_is_the_synchronous_schedule(ray_cluster):
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 def test_no_trained_sample_is_staler_than_k(ray_cluster, partial):
-    k = 1
+    # With partial rollouts k = 2: at k = 1 a sequence a call leaves over is too old for the next call
+    # (dropped); at k = 2 the next call returns it, one version older than its own.
+    k = 2 if partial else 1
     s = lab.session(dag(), world_size=4, mode="distributed", schedule="async", max_staleness=k,
                     partial_rollout=partial)
     try:
-        # Whether an update lands mid-sequence is timing: 1-2 steps in 8 show one, so partial runs 16.
-        m = s.run(16 if partial else 8, progress=False)
+        m = s.run(8, progress=False)
         items = s.items()
     finally:
         s.close()
@@ -57,8 +58,8 @@ def test_no_trained_sample_is_staler_than_k(ray_cluster, partial):
     assert len(trained) and (trained["version"] >= 0).all()
     assert ((trained["update"] - trained["version"]) <= k).all()
     assert (m["schedule/staleness"] <= k).all() and m["schedule/staleness"].max() >= 1  # it did run ahead
-    if partial:
-        assert m["rollout/partial_frac"].max() > 0  # some sequences kept decoding across an update
+    if partial:  # a call leaves half its slots' sequences over; later calls return them, k versions old
+        assert ((trained["update"] - trained["version"]) == k).any()
 
 
 def test_the_version_a_sync_claims_is_the_version_the_rollout_holds(ray_cluster):

@@ -178,6 +178,32 @@ def test_sequences_too_stale_to_train_age_out(tok, prompts, on_stale, k, trains_
         assert sorted(returned) == list(range(len(PROMPTS)))  # nothing lost: started again, at v1
 
 
+def test_a_call_tops_up_its_slots_after_ageing_out(tok, prompts):
+    """At k = 1 the last call's unreturned sequences are too old for the next: they go first, then
+    refill() fills the freed slots with later prompts (models/stream_slots.top_up). Counted before
+    the drop they filled the slots, nothing later was admitted, and a call had to finish every
+    prompt of its own batch, its long tail too."""
+    model = stopping_model(tok)
+    cfg = RolloutOptions(n=1, do_sample=False, max_response_len=R, log_probs=True)
+    stream = HFStreamingRollout(model, tok, cfg, P, slots=4)
+    ids, mask = prompts
+    stream.add(ids[:4], mask[:4], metas=[0, 1, 2, 3])
+    stream.run(1, version=0, seed=0, stale=StaleRule(max_staleness=1, trains_by=1))
+    left = stream.in_flight
+    assert left >= 1  # started at v0: too old for a batch that trains at update 2
+    stream.add(ids[4:4 + 4 - left], mask[4:4 + 4 - left], metas=list(range(4, 8 - left)))  # the slots look full
+    later, refills = iter(range(8 - left, len(PROMPTS))), []
+
+    def refill():
+        i = next(later)
+        refills.append(i)
+        stream.add(ids[i:i + 1], mask[i:i + 1], metas=[i])
+
+    out = stream.run(1, version=1, seed=1, stale=StaleRule(max_staleness=1, trains_by=2), refill=refill)
+    assert out.counts.stale_dropped == left and len(refills) == left, (out.counts, refills)
+    assert (out.columns["token_versions"][out.columns["response_mask"].bool()] == 1).all()
+
+
 def test_seeded_and_the_global_rng_untouched(tok, prompts):
     model = build_tiny_qwen2(tok, seed=0)
     hook = eos_bias(model, tok, 3.0)

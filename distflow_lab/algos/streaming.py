@@ -4,8 +4,8 @@ models/rollout_vllm_stream.py; both take the same calls.
 
 One streamer per rollout engine (so per worker) lives across steps around the engine's
 own module or vLLM engine: the weights a pull loads are the weights it decodes with. A
-call admits this step's prompts, prefetches later ones from the loader until every slot
-has a sequence, and returns `len(batch)` whole prompts (n rows each), which may be
+call admits this step's prompts, ages out what it will never train (StaleRule), tops up
+from the loader with later prompts until every slot has a sequence (top_up), and returns `len(batch)` whole prompts (n rows each), which may be
 prompts admitted by earlier calls: each sequence carries its prompt's `PromptInfo` (prompt_rows.py).
 The policy is refreshed (`ctx.refresh_policy`) every REFRESH_EVERY decode iterations.
 """
@@ -39,10 +39,10 @@ def stream_rollout(batch: Batch, ctx: StageContext) -> Batch:
     """n responses for each of `len(batch)` prompts, decoded by continuous batching (see the module doc)."""
     cfg, e = ctx.config, ctx.engines
     stream = stream_of(ctx, rows=len(batch) * cfg.rollout.n)
-    truncated = admit(stream, batch, ctx)
-    while ctx.loader is not None and stream.in_flight < stream.slots:  # later steps' prompts keep the slots busy
-        truncated += admit(stream, ctx.loader.next_batch(), ctx)
-    refill = (lambda: admit(stream, ctx.loader.next_batch(), ctx)) if ctx.loader is not None else None
+    truncated = [admit(stream, batch, ctx)]
+    # later steps' prompts keep the slots busy: the engine tops up once it has aged out this call's stale ones
+    refill = (lambda: truncated.append(admit(stream, ctx.loader.next_batch(), ctx))) if ctx.loader is not None \
+        else None
     refresh = ctx.refresh_policy if e.weights is not None else None  # colocated: the actor's module, nothing to pull
     rule = StaleRule(ctx.schedule.max_staleness, ctx.trains_by, ctx.schedule.on_stale)
     out = stream.run(len(batch), version=e.policy.version, seed=ctx.seed, refresh=refresh, stale=rule, refill=refill)
@@ -53,7 +53,7 @@ def stream_rollout(batch: Batch, ctx: StageContext) -> Batch:
                                    "rollout/partial": c.partial, "rollout/resumed": c.resumed,
                                    "rollout/decode_iterations": c.iterations}.items() if v})
     lengths = cols["response_mask"].sum(1).float()
-    ctx.log(**{"rollout/prompts_truncated": truncated, "rollout/partial_frac": c.partial / rows if rows else 0.0,
+    ctx.log(**{"rollout/prompts_truncated": sum(truncated), "rollout/partial_frac": c.partial / rows if rows else 0.0,
                "response_length/mean": lengths.mean().item() if rows else 0.0,
                "rollout/len_max_over_median": (lengths.max() / lengths.median().clamp(min=1)).item() if rows else 0.0,
                "response_length/clip_frac": (lengths == cfg.rollout.max_response_len).float().mean().item()

@@ -77,6 +77,7 @@ from distflow_lab.core.config import SCHEDULES, ScheduleOptions
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.core.run_columns import read_saved
 from distflow_lab.core.spans import DRIVER, NESTED_PHASES
+from distflow_lab.models.stream_slots import top_up
 
 # ---- schedules ---------------------------------------------------------------------------------
 
@@ -730,7 +731,9 @@ class _Decoder:
         self.next_group = 0
 
     def admit(self) -> int:
-        lengths = next(self.stream)  # a rank's recorded rows: a prompt's answers are consecutive
+        lengths = next(self.stream, None)  # a rank's recorded rows: a prompt's answers are consecutive
+        if lengths is None:  # a finite stream (a test's) ran out: nothing more to admit
+            return 0
         new = [_Seq(int(n), self.prompt, group=self.next_group + j // self.group_size) for j, n in enumerate(lengths)]
         for q in new:
             self.sizes[q.group] = self.sizes.get(q.group, 0) + 1
@@ -779,6 +782,7 @@ class _Decoder:
             self._between_calls(now, d)
         done, self.finished = self.finished, []
         done, stale = self._age_out(done, version, spec, trains_by, True)
+        top_up(lambda: len(self.waiting) + len(self.active), slots, self.admit)  # the engines' rule: later prompts
         t, until = now, knobs.refresh_every
         while self._whole(done) < rows:
             while len(self.active) < slots and self.waiting:
@@ -885,8 +889,6 @@ class SegmentCosts:
         for dec in self.decoders:
             rows = dec.admit()
             slots = int(self.rec.knobs.slots_per_row * rows)
-            while len(dec.waiting) + len(dec.active) < slots:  # keep every slot busy: later prompts start now
-                dec.admit()
             k = self.rec.knobs  # a call first admits its prompts and resumes what an update preempted
             done, t, n = dec.run(now + (k.stream_call_s or 0.0), rows, slots, k, k.stream_decode_s or self.rec.decode_s,
                                  version, published, self.spec, trains_by)
@@ -1068,8 +1070,8 @@ def replay_schedules(source: Any, schedule: Any = ("sync", "one_step_off", "asyn
 
 # ---- accuracy against real runs ------------------------------------------------------------------------
 
-ACCURACY_SCHEDULES = ("one_step_off", "async:k=1", "async:k=2", "async:k=4", "async:k=2:partial",
-                      "async:k=4:partial")
+ACCURACY_SCHEDULES = ("one_step_off", "async:k=1", "async:k=2", "async:k=4", "async:k=1:partial",
+                      "async:k=2:partial", "async:k=4:partial")
 
 
 @dataclass

@@ -12,6 +12,7 @@ unknown or misspelt key is an error naming the node and the key).
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from distflow_lab.core.config import ConfigError, DataSpec, Strict
 from distflow_lab.datasets.loader import load_batch
 from distflow_lab.graph.dag import DAG
 from distflow_lab.graph.shapes import grpo_shape, ppo_shape
+from distflow_lab.models.stream_slots import top_up
 from distflow_lab.runtime.context import StageContext
 from distflow_lab.runtime.weights import SyntheticWeights
 
@@ -149,12 +151,15 @@ class StreamingDecoder:
     def add(self, prompt_len: torch.Tensor, resp_len: torch.Tensor, uid: np.ndarray) -> None:
         self.waiting += list(zip(prompt_len.tolist(), resp_len.tolist(), uid.tolist()))
 
-    def run(self, rows: int, slots: int, decode_us: float, refresh_every: int, ctx: StageContext) -> list[dict]:
-        """Decode until `rows` sequences have finished; return them (oldest first)."""
+    def run(self, rows: int, slots: int, decode_us: float, refresh_every: int, ctx: StageContext,
+            refill: Callable[[], Any] | None = None) -> list[dict]:
+        """Decode until `rows` sequences have finished; return them (oldest first). After ageing out,
+        `refill()` admits later prompts until every slot has a sequence (the real engines' top_up)."""
         self._between_calls(decode_us)
         version = policy(ctx).version
         done, self.finished = self._age_out(self.finished, version, ctx), []  # carried over from the last call
         self.active = self._age_out(self.active, version, ctx)
+        top_up(lambda: len(self.waiting) + len(self.active), slots, refill)
         until_refresh = refresh_every
         while len(done) < rows:
             while len(self.active) < slots and self.waiting:
@@ -209,9 +214,8 @@ def _streaming(batch: Batch, ctx: StageContext, p: SyntheticParams) -> Batch:
 
     rows = admit(batch)
     slots = int(p.slots_per_row * rows)
-    while ctx.loader is not None and len(dec.waiting) + len(dec.active) < slots:  # keep every slot busy:
-        admit(ctx.loader.next_batch())  # prompts of later steps start decoding now
-    done = dec.run(rows, slots, p.decode_us, p.refresh_every, ctx)
+    refill = (lambda: admit(ctx.loader.next_batch())) if ctx.loader is not None else None  # later steps' prompts
+    done = dec.run(rows, slots, p.decode_us, p.refresh_every, ctx, refill)
     versions = torch.zeros((len(done), R), dtype=torch.int64)
     for i, s in enumerate(done):
         versions[i, :len(s["versions"])] = torch.as_tensor(s["versions"])

@@ -60,6 +60,7 @@ from transformers.generation.logits_process import (
 
 from distflow_lab.core.config import RolloutOptions
 from distflow_lab.models.sequences import assemble_columns, response_mask_from_eos
+from distflow_lab.models.stream_slots import top_up
 
 
 @dataclass(frozen=True)
@@ -350,9 +351,12 @@ class HFStreamingRollout:
 
 def decode_until(engine: Any, groups: int, iterate: Callable[[], None], refresh: Callable[[], int] | None,
                  stale: StaleRule | None, refill: Callable[[], Any] | None, counts: StreamCounts) -> None:
-    """The streaming engines' loop: one decode iteration at a time until `groups` prompts are
-    ready; when nothing is in flight `refill()` may add prompts; every `engine.refresh_every`
-    iterations `refresh()` may bring a new version (`engine._new_version` ages sequences out)."""
+    """The streaming engines' loop: first `refill()` tops the engine up to its slots (the call has
+    aged out what it will never train, so those sequences hold no slot), then one decode
+    iteration at a time until `groups` prompts are ready; when nothing is in flight `refill()`
+    may add prompts; every `engine.refresh_every` iterations `refresh()` may bring a new version
+    (`engine._new_version` ages sequences out)."""
+    top_up(lambda: engine.in_flight, engine.slots, refill)
     while len(engine.book.ready) < groups:
         if not engine.in_flight and refill is not None:
             refill()
