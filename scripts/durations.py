@@ -4,7 +4,8 @@
     python scripts/durations.py .ci-results/junit.xml --write tests/durations.json
 
 The XML's test cases carry their tier and own time as properties (tests/suite_budget.py); their
-`time` is setup + call + teardown, so shared fixtures show up in the test that first needed them.
+`time` is setup + call + teardown, so shared fixtures show up in the test that first needed them;
+an executed notebook's also carry its slowest cells ("[24]46s": code cell 24 took 46 s).
 `--write` records the run (date, commit, tier, wall time, every test) for the README's suite times.
 """
 from __future__ import annotations
@@ -35,7 +36,8 @@ def read(path: Path) -> tuple[dict, list[dict]]:
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
         outcome = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
         cases.append({"id": node_id(case), "s": float(case.get("time", 0)), "tier": props.get("tier", "default"),
-                      "own_s": float(props["own_s"]) if "own_s" in props else None, "outcome": outcome})
+                      "own_s": float(props["own_s"]) if "own_s" in props else None, "outcome": outcome,
+                      "cells": props.get("slowest_cells")})  # a notebook's slowest cells (tests/test_notebooks.py)
     head = {"wall_s": float(suite.get("time", 0)), "timestamp": suite.get("timestamp"),
             "tests": int(suite.get("tests", len(cases)))}
     return head, cases
@@ -54,7 +56,7 @@ def summary(head: dict, cases: list[dict], top: int) -> str:
     lines.append("  outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
     lines.append(f"slowest {top} (setup + call + teardown):")
     for c in sorted(cases, key=lambda c: -c["s"])[:top]:
-        lines.append(f"  {c['s']:7.1f} s  {c['tier']:7s}  {c['id']}")
+        lines.append(f"  {c['s']:7.1f} s  {c['tier']:7s}  {c['id']}" + (f"  cells {c['cells']}" if c["cells"] else ""))
     files: dict[str, float] = defaultdict(float)
     for c in cases:
         files[c["id"].split("::")[0]] += c["s"]
@@ -85,7 +87,8 @@ def main() -> None:
         tiers = sorted({c["tier"] for c in cases})
         record = {"date": head["timestamp"] or datetime.now(timezone.utc).isoformat(timespec="seconds"),
                   "commit": commit(), "tiers_run": tiers, "wall_s": round(head["wall_s"], 1),
-                  "tests": {c["id"]: {"s": round(c["s"], 2), "tier": c["tier"], "outcome": c["outcome"]}
+                  "tests": {c["id"]: {"s": round(c["s"], 2), "tier": c["tier"], "outcome": c["outcome"],
+                                      **({"cells": c["cells"]} if c["cells"] else {})}
                             for c in sorted(cases, key=lambda c: c["id"])}}
         a.write.write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {a.write}")

@@ -124,10 +124,13 @@ def calculator_model() -> str:
     return _prepared("tiny-cpu-calculator", CALCULATOR_WARM_START)
 
 
+GUESS_NUMBER_WARM_START = "model.warm_start.steps=300"
+
+
 @pytest.fixture(scope="session")
 def guess_number_model() -> str:
     """tiny-cpu-guess-number's warm start."""
-    return _prepared("tiny-cpu-guess-number")
+    return _prepared("tiny-cpu-guess-number", GUESS_NUMBER_WARM_START)
 
 
 @pytest.fixture

@@ -64,6 +64,20 @@ def check_static_export(nb, name: str) -> dict[str, int]:
     return {"figures": len(figures), "divs": divs}
 
 
+def slowest_cells(nb, n: int = 5) -> list[tuple[int, float]]:
+    """(cell index, seconds) of an executed notebook's n slowest cells, from nbclient's timing metadata."""
+    from datetime import datetime
+
+    def seconds(cell) -> float:
+        t = cell.metadata.get("execution", {})
+        start, end = t.get("iopub.execute_input"), t.get("shell.execute_reply")
+        return (datetime.fromisoformat(end.rstrip("Z")) - datetime.fromisoformat(start.rstrip("Z"))).total_seconds() \
+            if start and end else 0.0
+
+    cells = [(i, seconds(c)) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    return sorted(cells, key=lambda x: -x[1])[:n]
+
+
 def test_every_notebook_sets_up_its_outputs():
     for path in NOTEBOOKS:
         src = "\n".join(c.source for c in _code_cells(nbformat.read(path, as_version=4)))
@@ -121,7 +135,8 @@ EXECUTED = [p for p in NOTEBOOKS if p.stem != "01_quickstart"]
 @pytest.mark.budget(300, reason="a notebook top to bottom at CI size in a real kernel")
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("path", EXECUTED, ids=[p.stem for p in EXECUTED])
-def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cluster):
+def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_cluster,
+                           record_property):
     # The kernel inherits this environment: CI size, the suite's model home (models and warm starts built
     # once per run) and the suite's Ray cluster (RAY_ADDRESS: no cluster start per kernel); outputs under
     # the suite's home, the working directory tmp_path.
@@ -134,6 +149,8 @@ def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()  # raises CellExecutionError (with the cell's source) on the first failing cell
+    # where a notebook's CI-size time goes, in the junit XML beside the test's own time (the suite's budget)
+    record_property("slowest_cells", " ".join(f"[{i}]{s:.0f}s" for i, s in slowest_cells(nb)))
     # the kernel attached to the suite's cluster and called lab.shutdown(): that only detached it
     assert ray_cluster.get(ray_cluster.put(1), timeout=30) == 1 and ray_cluster.cluster_resources()["CPU"] >= 8
     errors = [o for c in _code_cells(nb) for o in c.outputs if o.output_type == "error"]

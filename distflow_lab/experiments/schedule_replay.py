@@ -367,7 +367,10 @@ def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> tuple[float,
     """Run `updates` async k=1 updates with partial rollouts on the session (reopened) and fit the
     streaming engine's cost: per call, rollout compute seconds = a + d * decode iterations
     (`rollout/decode_iterations`; least squares over the calls after `skip`; (a, d)). None: the
-    rollout does not count its iterations (the synthetic decoder's cost is its own knob)."""
+    rollout does not count its iterations (the synthetic decoder's cost is its own knob: a session
+    without a run config, e.g. the synthetic DAG, spends no updates on finding that out)."""
+    if getattr(s.config, "algo", None) is None:
+        return None
     s.reopen(schedule="async", max_staleness=1, partial_rollout=True)
     m = s.run(updates, progress=False)
     if "rollout/decode_iterations" not in m:
