@@ -369,7 +369,7 @@ def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> tuple[float,
     (`rollout/decode_iterations`; least squares over the calls after `skip`; (a, d)). None: the
     rollout does not count its iterations (the synthetic decoder's cost is its own knob: a session
     without a run config, e.g. the synthetic DAG, spends no updates on finding that out)."""
-    if getattr(s.config, "algo", None) is None:
+    if not _runs_real_engines(s):
         return None
     s.reopen(schedule="async", max_staleness=1, partial_rollout=True)
     m = s.run(updates, progress=False)
@@ -546,9 +546,14 @@ def _knobs_from_params(params: dict) -> Knobs:
     return Knobs(**{k: type(v)(params.get(k, v)) for k, v in DEFAULT_KNOBS.items()})
 
 
+def _runs_real_engines(s: Any) -> bool:
+    """A session opened from a run config: its rollout is a real engine (hf, vllm), not the synthetic DAG's decoder."""
+    return getattr(s.config, "algo", None) is not None
+
+
 def _session_knobs(s: Any, rollout: Any) -> Knobs:
     """The synthetic rollout's node params; on a real engine (hf, vllm) algos/streaming.py's constants."""
-    if getattr(s.config, "algo", None) is not None and not set(DEFAULT_KNOBS) & set(rollout.params):
+    if _runs_real_engines(s) and not set(DEFAULT_KNOBS) & set(rollout.params):
         from distflow_lab.algos.streaming import REFRESH_EVERY, SLOTS_PER_ROW
 
         return Knobs(slots_per_row=float(SLOTS_PER_ROW), refresh_every=REFRESH_EVERY, between_calls=False,
