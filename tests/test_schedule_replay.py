@@ -13,16 +13,18 @@ import pytest
 from distflow_lab.core.errors import ConfigError
 from distflow_lab.core.spans import Span, spans_to_frame
 from distflow_lab.experiments.replay import replay
-from distflow_lab.experiments.schedule_replay import (DEFAULT_KNOBS, Knobs, parse_schedule, replay_schedules,
-                                                      schedule_replay_accuracy, tv_distance)
+from distflow_lab.experiments.schedule_replay import (DEFAULT_KNOBS, Knobs, load_lanes, parse_schedule,
+                                                      replay_schedules, schedule_replay_accuracy, tv_distance)
 
 P, ROWS = 32, 8  # prompt tokens; rows per rollout rank (2 ranks)
 
 
-def _write_run(d, gen_s, train_s, gap_s=0.02, lengths=None, stale=False):
+def _write_run(d, gen_s, train_s, gap_s=0.02, lengths=None, stale=False, log_lengths=False):
     """A sync run dir on groups: data, rollout on workers 0-1; train on workers 2-3. Step t:
     generation gen_s[t] (all rollout), training train_s[t], driver gap_s; every response
-    lengths[t] tokens long (default: the rollout seconds at 1 ms a decode iteration)."""
+    lengths[t] tokens long (default: the rollout seconds at 1 ms a decode iteration), logged as
+    response_length/mean where `log_lengths` (as the real engines' algorithms do)."""
+    d.mkdir(parents=True, exist_ok=True)
     items, spans, metrics = [], [], []
     t0 = 0.0
     for t, (g, tr) in enumerate(zip(gen_s, train_s)):
@@ -42,7 +44,8 @@ def _write_run(d, gen_s, train_s, gap_s=0.02, lengths=None, stale=False):
                           "route_in": "loader", "item_id": 10**6 + 10 * t + w, "tokens": 1, "version": -1})
         wall = g + tr + gap_s
         metrics.append({"update": t, "wall_s": wall, "schedule/rollout_idle": 1 - g / wall,
-                        "schedule/trainer_idle": 1 - tr / wall, "schedule/staleness": float(stale and t > 0)})
+                        "schedule/trainer_idle": 1 - tr / wall, "schedule/staleness": float(stale and t > 0),
+                        **({"response_length/mean": float(length)} if log_lengths else {})})
         t0 += wall
     sp = spans_to_frame(spans)
     sp.assign(cache_hit=sp["cache_hit"].astype("boolean")).to_parquet(d / "spans.parquet")
@@ -123,6 +126,23 @@ def test_closed_form_with_partial_rollouts(tmp_path):
         assert (t["tokens"] == 2 * ROWS * (P + L)).all()
         tokens = r.staleness_of(name, by="token")
         assert tv_distance(tokens, r.staleness_of(name)) == pytest.approx(0)  # decoded in one go: one version
+
+
+def test_the_prompt_length_is_counted_not_fitted_from_the_clock(tmp_path):
+    """A rollout call's fixed cost (0.1 s here) puts the intercept of rollout seconds against
+    tokens below 0, so the clock says the prompt has 0 tokens and every replayed sequence
+    decodes P iterations too long (on the real engines: TV 0.17 on partial rollouts'
+    staleness). A run that logs its response lengths gives the prompt by counting."""
+    lengths = [20, 40, 60, 30, 50, 70, 25, 45]
+    gen, train = [0.1 + 1e-3 * n for n in lengths], [0.2] * len(lengths)
+    clock = load_lanes(_write_run(tmp_path / "clock", gen, train, lengths=lengths), skip=0)
+    counted = load_lanes(_write_run(tmp_path / "counted", gen, train, lengths=lengths, log_lengths=True), skip=0)
+    assert clock.prompt_tokens == 0 and counted.prompt_tokens == P
+    assert [int(v[0][0]) for v in counted.lengths.values()] == lengths
+    assert counted.decode_s == pytest.approx(1e-3)  # the slope: the per-call cost stays out of it
+    given = load_lanes(_write_run(tmp_path / "counted", gen, train, lengths=lengths, log_lengths=True), skip=0,
+                       knobs=Knobs(prompt_tokens=P - 10))  # a knob still sets it for every batch
+    assert [int(v[0][0]) for v in given.lengths.values()] == [n + 10 for n in lengths]
 
 
 def test_a_streaming_call_returns_whole_prompts_and_drops_them_whole():
@@ -263,6 +283,22 @@ def test_contention_slows_the_overlapped_part_of_a_lane(tmp_path):
     t = replay_schedules(rec, ["one_step_off"], skip=0, knobs=Knobs(contention=(1.0, 2.0))).table
     assert t["wall_s"].iloc[0] == pytest.approx(0.3 + 0.67)
     assert np.allclose(t["wall_s"].iloc[1:], 0.67)
+
+
+def test_contention_is_fitted_per_lane(tmp_path):
+    """A one_step_off calibration in which generation (0.2 s alone) ran 1.5x slower beside training
+    and training (0.6 s alone) 1.25x: each lane gets its own factor back (a pooled one let the
+    generation lane's slowdown slow the trainer: real trainer-bound schedules under-predicted);
+    a lane that ran faster beside the other (0.8x) is taken as not slowed."""
+    from distflow_lab.experiments.schedule_replay import fit_contention, load_lanes
+
+    rec = load_lanes(_write_run(tmp_path, [0.2] * 8, [0.6] * 8), skip=0)
+    def busy(f_train):  # generation overlapped throughout (0.2 x 1.5); 0.3 s of training at 1 / f_train
+        return {"generate": [(10.0 * r, 10.0 * r + 0.3) for r in range(8)],
+                "train": [(10.0 * r, 10.0 * r + 0.6 - 0.3 / f_train + 0.3) for r in range(8)]}
+
+    assert fit_contention(rec, busy(1.25), 0) == pytest.approx((1.5, 1.25))
+    assert fit_contention(rec, busy(0.8), 0) == pytest.approx((1.5, 1.0))
 
 
 def test_training_cost_follows_whichever_tokens_fit_the_recording():

@@ -28,7 +28,7 @@ The cost models (`SegmentCosts`):
   version it already holds (a worker loads only a newer version);
   training of batch r takes T_r and publishes at its end, then the driver's c_r;
   contention: while both lanes run, each runs f times slower (the groups share the
-  machine's cores; Knobs.contention may give each lane its own f); fitted by `calibrate_lanes` from a few
+  machine's cores; one f per lane); fitted by `calibrate_lanes` from a few
   one_step_off updates the accuracy check runs itself, or Knobs.contention; 1.0 otherwise;
   warm-up: a reopened session on a real engine builds it again and pays its first updates'
   warm-up again, the synthetic DAG does not (Knobs.rewarm).
@@ -44,8 +44,10 @@ between calls the synthetic decoder keeps decoding with the last version (no adm
 a real engine does not (Knobs.between_calls); every `refresh_every` iterations the newest
 published version is pulled; sequences older than k versions at the update they would
 train at are restarted, or dropped with every started answer of their prompt. d and the
-prompt length p come from the sync recording: the static batch waits for its longest
-response, so rollout seconds = d * (max item tokens - p) per rank and step (least squares). The response lengths are the recorded ones, in
+prompt length p come from the sync recording: p counted per batch (mean item tokens less the
+logged `response_length/mean`; where none is logged, fitted as below), and d from the static
+batch waiting for its longest response: rollout seconds = d * (max item tokens - p) per rank
+and step (least squares). The response lengths are the recorded ones, in
 recorded order per rank (a partial run draws its own: same distribution, not the same
 draws), cycled past the recording. A partial batch holds other sequences than the sync
 batch, usually shorter ones (the long tail carries over, and ages out): T = a + b * padded
@@ -227,8 +229,8 @@ def calibrate_lanes(s: Any, rec: "LaneRecording", updates: int = 6, skip: int = 
     f = fit_contention(rec, busy, skip)
     jitter = fit_jitter(rec, busy, skip, f)
     knobs = dataclasses.replace(rec.knobs, contention=f, jitter=jitter)
-    notes = [f"contention: each lane {f[0]:.3f}x slower while the other runs too; a lane call within "
-             f"{jitter:.1%} (log spread) of that model (calibrate_lanes)"]
+    notes = [f"contention: generation {f[0]:.3f}x, training {f[1]:.3f}x its sync seconds while the other lane "
+             f"runs; a lane call within {jitter:.1%} (log spread) of that model (calibrate_lanes)"]
     fit = calibrate_streaming(s, updates, skip) if streaming else None
     if fit is not None:
         knobs = dataclasses.replace(knobs, stream_call_s=fit[0], stream_decode_s=fit[1])
@@ -324,43 +326,61 @@ def _overlap(a: float, b: float, others: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(b, d) - max(a, c)) for c, d in others)
 
 
+LANES = ("generate", "train")  # SimDispatch's call kinds, in Knobs.contention's order
+
+
 def fit_contention(rec: "LaneRecording", busy: dict[str, list[tuple[float, float]]], skip: int
                    ) -> tuple[float, float]:
-    """How much slower a lane ran while the other ran, from a one_step_off run of the recording's
-    batches (`busy`: each lane's calls, in launch order): a lane of d seconds that overlapped the
-    other for o seconds, and ran alone for s seconds in the sync recording, did s = (d - o) + o / f
-    seconds of work, so d - s = o (1 - 1/f): least squares through 0 over both lanes' calls after
-    `skip`, one f for both (fitted per lane from ten updates, the generation lane's f swung from 1.0
-    to 1.8 between two vLLM runs; pooled it stays within 1.00-1.10). 1.0 where nothing overlapped
-    or nothing slowed down."""
-    x, d, s = _lane_calls(rec, busy, skip)
-    y = d - s
-    c = float(np.clip((x * y).sum() / (x * x).sum(), 0.0, 0.9)) if (x * x).sum() > 0 else 0.0  # 1 - 1/f
-    return 1.0 / (1.0 - c), 1.0 / (1.0 - c)
+    """(generation, training): how much slower each lane ran while the other ran, from a one_step_off
+    run of the recording's batches (`busy`: each lane's calls, in launch order): a lane call of d
+    seconds that overlapped the other for o seconds, and ran alone for s seconds in the sync
+    recording, did s = (d - o) + o / f seconds of work, so d - s = o (1 - 1/f): least squares
+    through 0 over that lane's calls after `skip`. Per lane, because the lanes differ and a pooled f
+    let generation's slowdown slow the trainer: in four calibrations per engine (2026-12-07) HF's
+    generation ran 1.06-1.39x slower and its training 0.95-1.06x, so a pooled 1.02-1.23 under-predicted
+    trainer-bound schedules. f >= 1: vLLM's training lane ran 0.80-0.87x its sync seconds beside
+    generation in those calibrations (cause not known), but replaying with that f over-predicted
+    the real runs by up to 22 %, partial rollouts most (their training fit already comes from
+    overlapped updates). 1.0 where a lane never overlapped or never slowed."""
+    calls = _lane_calls(rec, busy, skip)
+    return tuple(_slowdown(*calls[kind]) for kind in LANES)
+
+
+def _slowdown(x: np.ndarray, d: np.ndarray, s: np.ndarray) -> float:
+    if (x * x).sum() <= 0:
+        return 1.0
+    c = float(np.clip((x * (d - s)).sum() / (x * x).sum(), 0.0, 0.9))  # 1 - 1/f: f in [1, 10]
+    return 1.0 / (1.0 - c)
 
 
 def fit_jitter(rec: "LaneRecording", busy: dict[str, list[tuple[float, float]]], skip: int,
                contention: tuple[float, float]) -> float:
     """How far the calls of the same run vary around the contention model: the standard deviation
     of log(real / modelled seconds) over both lanes' calls after `skip` (0 with fewer than 3)."""
-    x, d, s = _lane_calls(rec, busy, skip)
-    model = s + x * (1.0 - 1.0 / contention[0])
-    ok = (model > 0) & (d > 0)
-    return float(np.std(np.log(d[ok] / model[ok]))) if ok.sum() >= 3 else 0.0
+    ratios, calls = [], _lane_calls(rec, busy, skip)
+    for kind, f in zip(LANES, contention):
+        x, d, s = calls[kind]
+        model = s + x * (1.0 - 1.0 / f)
+        ok = (model > 0) & (d > 0)
+        ratios.append(d[ok] / model[ok])
+    r = np.concatenate(ratios)
+    return float(np.std(np.log(r))) if len(r) >= 3 else 0.0
 
 
 def _lane_calls(rec: "LaneRecording", busy: dict[str, list[tuple[float, float]]], skip: int
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Both lanes' calls after `skip` of a run of the recording's batches: (seconds it overlapped
+                ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per lane, its calls after `skip` of a run of the recording's batches: (seconds it overlapped
     the other lane, its seconds, the sync recording's seconds of the same batch's lane)."""
-    x, d, s = [], [], []
+    out = {}
     for kind, other, col in (("generate", "train", "gen_s"), ("train", "generate", "train_s")):
+        x, d, s = [], [], []
         for r, (a, b) in enumerate(busy[kind]):
             if r >= skip and r in rec.batches.index:
                 x.append(_overlap(a, b, busy[other]))
                 d.append(b - a)
                 s.append(float(rec.batches.at[r, col]))
-    return np.asarray(x, float), np.asarray(d, float), np.asarray(s, float)
+        out[kind] = (np.asarray(x, float), np.asarray(d, float), np.asarray(s, float))
+    return out
 
 
 def calibrate_streaming(s: Any, updates: int = 6, skip: int = 2) -> tuple[float, float] | None:
@@ -425,9 +445,29 @@ def _stage_seconds(spans: pd.DataFrame, stages: list[str]) -> pd.Series:
         "batch_id").sum()
 
 
-def _fit_decode(items: pd.DataFrame, spans: pd.DataFrame, rollout: str, skip: int) -> tuple[float, float]:
+def _counted_prompts(items: pd.DataFrame, metrics: pd.DataFrame | None, rollout: str) -> pd.Series | None:
+    """Per batch: the tokens of a rollout item the engine did not decode (its prompt; a multi-turn
+    row's tool replies too), counted: the mean item tokens less the batch's logged
+    `response_length/mean`. None where the run logs no response lengths (the synthetic DAG).
+    (Fitting it from the clock instead, as the intercept below, is noise: a per-call cost drove
+    it to 0 instead of ~4 tokens on the real engines, and every replayed sequence decoded 4
+    iterations too long, enough to move partial rollouts' staleness by TV 0.17.)"""
+    if metrics is None or "response_length/mean" not in metrics:
+        return None
+    it = items[items["stage"] == rollout]
+    mean_tokens = it.groupby("update")["tokens"].mean()
+    response = metrics.set_index(metrics["update"].astype(int))["response_length/mean"].astype(float)
+    p = (mean_tokens - response.reindex(mean_tokens.index)).dropna()
+    by_batch = it.drop_duplicates("batch_id").set_index("batch_id")["update"]
+    p = by_batch.map(p).dropna()
+    return p.clip(lower=0) if len(p) else None
+
+
+def _fit_decode(items: pd.DataFrame, spans: pd.DataFrame, rollout: str, skip: int,
+                prompt: float | None = None) -> tuple[float, float]:
     """(d, p): rollout seconds = d * (longest item tokens - p) per (step, dp rank), least squares;
-    the static batch waits for its longest response."""
+    the static batch waits for its longest response. `prompt`: p counted (`_counted_prompts`);
+    then d is the slope alone, and p the intercept only where nothing counted it."""
     it = items[(items["stage"] == rollout) & (items["batch_id"] >= skip)]
     longest = it.groupby(["batch_id", "worker"])["tokens"].max()
     sp = spans[(spans["stage"] == rollout) & (spans["phase"] == "compute") & (spans["batch_id"] >= skip)]
@@ -437,10 +477,11 @@ def _fit_decode(items: pd.DataFrame, spans: pd.DataFrame, rollout: str, skip: in
     if len(both) >= 3 and np.ptp(both["x"]) > 0:
         d, icpt = np.polyfit(both["x"].to_numpy(float), both["y"].to_numpy(float), 1)
         if d > 0:
-            return float(d), float(np.clip(-icpt / d, 0, floor))
+            return float(d), float(prompt if prompt is not None else np.clip(-icpt / d, 0, floor))
     if not len(both):
         raise ValueError(f"the recording has no compute spans of the rollout stage {rollout!r} with items")
-    return float((both["y"] / both["x"]).median()), 0.0
+    p = prompt if prompt is not None else 0.0
+    return float((both["y"] / (both["x"] - p).clip(lower=1)).median()), float(p)
 
 
 TRAIN_FEATURES = ("padded", "tokens")  # what training seconds may grow with, the first preferred on a tie
@@ -639,11 +680,16 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
     if not len(b):
         raise ValueError("the recording has no step with lanes and items to replay")
     skip = min(skip, len(b) - 1)
-    d, p = _fit_decode(src.items, src.spans, src.rollout, skip)
-    knobs = (knobs or Knobs()).over(src.knobs).over(Knobs(decode_s=d, prompt_tokens=p))
+    counted = _counted_prompts(src.items, src.metrics, src.rollout)
+    d, p = _fit_decode(src.items, src.spans, src.rollout, skip,
+                       None if counted is None else float(counted[counted.index >= skip].median()))
+    given = (knobs or Knobs()).over(src.knobs)
+    knobs = given.over(Knobs(decode_s=d, prompt_tokens=p))
     d, p = knobs.decode_s, knobs.prompt_tokens
+    # each batch's own counted prompt unless a knob sets one for all
+    prompts = counted if counted is not None and given.prompt_tokens is None else pd.Series(dtype=float)
     it = src.items[src.items["stage"] == src.rollout]
-    lengths = {int(r): [np.maximum(1, np.round(g2["tokens"].to_numpy(float) - p)).astype(np.int64)
+    lengths = {int(r): [np.maximum(1, np.round(g2["tokens"].to_numpy(float) - prompts.get(r, p))).astype(np.int64)
                         for _, g2 in g.groupby("dp_rank")] for r, g in it.groupby("batch_id")}
     if not knobs.rewarm:
         b = _dewarm(b, skip, lengths, d, _fit_train(b, skip))
