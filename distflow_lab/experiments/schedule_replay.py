@@ -681,8 +681,9 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
         raise ValueError("the recording has no step with lanes and items to replay")
     skip = min(skip, len(b) - 1)
     counted = _counted_prompts(src.items, src.metrics, src.rollout)
+    warm = None if counted is None else counted[counted.index >= skip]
     d, p = _fit_decode(src.items, src.spans, src.rollout, skip,
-                       None if counted is None else float(counted[counted.index >= skip].median()))
+                       None if counted is None else float((warm if len(warm) else counted).median()))
     given = (knobs or Knobs()).over(src.knobs)
     knobs = given.over(Knobs(decode_s=d, prompt_tokens=p))
     d, p = knobs.decode_s, knobs.prompt_tokens
