@@ -285,22 +285,6 @@ def test_contention_slows_the_overlapped_part_of_a_lane(tmp_path):
     assert np.allclose(t["wall_s"].iloc[1:], 0.67)
 
 
-def test_contention_is_fitted_per_lane(tmp_path):
-    """A one_step_off calibration in which generation (0.2 s alone) ran 1.5x slower beside training
-    and training (0.6 s alone) 1.25x: each lane gets its own factor back (a pooled one let the
-    generation lane's slowdown slow the trainer: real trainer-bound schedules under-predicted);
-    a lane that ran faster beside the other (0.8x) is taken as not slowed."""
-    from distflow_lab.experiments.schedule_replay import fit_contention, load_lanes
-
-    rec = load_lanes(_write_run(tmp_path, [0.2] * 8, [0.6] * 8), skip=0)
-    def busy(f_train):  # generation overlapped throughout (0.2 x 1.5); 0.3 s of training at 1 / f_train
-        return {"generate": [(10.0 * r, 10.0 * r + 0.3) for r in range(8)],
-                "train": [(10.0 * r, 10.0 * r + 0.6 - 0.3 / f_train + 0.3) for r in range(8)]}
-
-    assert fit_contention(rec, busy(1.25), 0) == pytest.approx((1.5, 1.25))
-    assert fit_contention(rec, busy(0.8), 0) == pytest.approx((1.5, 1.0))
-
-
 def test_training_cost_follows_whichever_tokens_fit_the_recording():
     """A real engine pads a batch to its longest row; the synthetic DAG sleeps per token trained:
     the fit takes whichever the recorded training seconds follow, and a cost per micro-batch
