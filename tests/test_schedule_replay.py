@@ -136,12 +136,12 @@ def test_the_prompt_length_is_counted_not_fitted_from_the_clock(tmp_path):
     lengths = [20, 40, 60, 30, 50, 70, 25, 45]
     gen, train = [0.1 + 1e-3 * n for n in lengths], [0.2] * len(lengths)
     clock = load_lanes(_write_run(tmp_path / "clock", gen, train, lengths=lengths), skip=0)
-    counted = load_lanes(_write_run(tmp_path / "counted", gen, train, lengths=lengths, log_lengths=True), skip=0)
+    logged = _write_run(tmp_path / "counted", gen, train, lengths=lengths, log_lengths=True)
+    counted = load_lanes(logged, skip=0)
     assert clock.prompt_tokens == 0 and counted.prompt_tokens == P
     assert [int(v[0][0]) for v in counted.lengths.values()] == lengths
     assert counted.decode_s == pytest.approx(1e-3)  # the slope: the per-call cost stays out of it
-    given = load_lanes(_write_run(tmp_path / "counted", gen, train, lengths=lengths, log_lengths=True), skip=0,
-                       knobs=Knobs(prompt_tokens=P - 10))  # a knob still sets it for every batch
+    given = load_lanes(logged, skip=0, knobs=Knobs(prompt_tokens=P - 10))  # a knob still sets it for every batch
     assert [int(v[0][0]) for v in given.lengths.values()] == [n + 10 for n in lengths]
 
 

@@ -673,7 +673,7 @@ def load_lanes(source: Any, *, skip: int = 1, knobs: Knobs | None = None, rollou
     knobs = given.over(Knobs(decode_s=d, prompt_tokens=p))
     d, p = knobs.decode_s, knobs.prompt_tokens
     # each batch's own counted prompt unless a knob sets one for all
-    prompts = counted if counted is not None and given.prompt_tokens is None else pd.Series(dtype=float)
+    prompts = counted.to_dict() if counted is not None and given.prompt_tokens is None else {}
     it = src.items[src.items["stage"] == src.rollout]
     lengths = {int(r): [np.maximum(1, np.round(g2["tokens"].to_numpy(float) - prompts.get(r, p))).astype(np.int64)
                         for _, g2 in g.groupby("dp_rank")] for r, g in it.groupby("batch_id")}
