@@ -346,6 +346,25 @@ def test_repeated_real_runs_are_pooled_and_their_spread_reported():
     assert _pooled([a]) is a and _rerun([a]) == {}
 
 
+def test_one_stalled_call_is_not_contention(tmp_path):
+    """one_step_off over a recording of G 0.2 s and T 0.3 s, both lanes 1.1x slower while they
+    overlap (generation 0.22 s, inside training's 0.32 s): the fit reads f = 1.1 and no spread.
+    One generation call stalled 1 s by something else on the machine moves neither (least
+    squares over the same calls gives f = 1.8, and the replay's trainer waits on generation)."""
+    from distflow_lab.experiments.schedule_replay import fit_contention, fit_jitter, load_lanes
+
+    rec = load_lanes(_write_run(tmp_path, [0.2] * 8, [0.3] * 8), skip=0)
+    f = 1.1
+
+    def busy(stall):
+        gen = [(10.0 * r, 10.0 * r + 0.2 * f + (stall if r == 3 else 0.0)) for r in range(8)]
+        return {"generate": gen, "train": [(10.0 * r, 10.0 * r + 0.3 + 0.2 * (f - 1)) for r in range(8)]}
+
+    for stall in (0.0, 1.0):
+        got = fit_contention(rec, busy(stall), 0)
+        assert got == pytest.approx((f, f)) and fit_jitter(rec, busy(stall), 0, got) < 1e-9, (stall, got)
+
+
 def test_drawn_call_seconds_mix_staleness_only_where_generation_just_keeps_up(tmp_path):
     """async k=2 with generation just faster than training (G 0.29 s, T 0.3 s): without jitter the
     replay runs generation at its bound every update (staleness 2, all or nothing); with calls
@@ -365,11 +384,10 @@ def test_drawn_call_seconds_mix_staleness_only_where_generation_just_keeps_up(tm
     assert dist(0.29, 0.1).equals(mixed) and not dist(0.29, 0.1, samples=4).equals(mixed)
     assert dist(0.1, 0.1).to_dict() == {2: 1.0}
 
-    rec = load_lanes(_write_run(tmp_path, [0.2] * 8, [0.3] * 8), skip=0)  # alone, no overlap: model = recording
-    rng = np.random.default_rng(0)
-    spread = np.exp(rng.normal(0, 0.05, 16))
-    busy = {"generate": [(10.0 * r, 10.0 * r + 0.2 * spread[r]) for r in range(8)],
-            "train": [(10.0 * r + 5, 10.0 * r + 5 + 0.3 * spread[8 + r]) for r in range(8)]}
-    assert fit_jitter(rec, busy, 0, (1.0, 1.0)) == pytest.approx(np.std(np.log(spread)))
+    rec = load_lanes(_write_run(tmp_path, [0.2] * 32, [0.3] * 32), skip=0)  # alone, no overlap: model = recording
+    spread = np.exp(np.random.default_rng(0).normal(0, 0.05, 64))
+    busy = {"generate": [(10.0 * r, 10.0 * r + 0.2 * spread[r]) for r in range(32)],
+            "train": [(10.0 * r + 5, 10.0 * r + 5 + 0.3 * spread[32 + r]) for r in range(32)]}
+    assert fit_jitter(rec, busy, 0, (1.0, 1.0)) == pytest.approx(0.05, rel=0.2)
     with pytest.raises(ValueError, match="samples"):
         replay_schedules(rec, ["one_step_off"], samples=0)
