@@ -1150,10 +1150,9 @@ class ScheduleAccuracy:
         cols = ["schedule", "predicted_tokens_per_s", "real_tokens_per_s", "error", "tv", "predicted_staleness",
                 "real_staleness", "predicted_step_s", "real_step_s", "predicted_trainer_idle", "real_trainer_idle",
                 *[c for c in ("tv_rerun", "rerun_error", "tv_fixed", "error_fixed") if c in self.table]]
-        notes = "".join(f"\nnote: {n}" for n in self.replayed.recording.notes)
         return (f"schedule replay vs real runs: median |throughput error| {self.median_abs_error:.1%}, "
                 f"max TV {self.max_tv:.3f}\n{self.table[cols].round(3).to_string(index=False)}\n"
-                f"{self.replayed._header()}{notes}")
+                f"{self.replayed!r}")  # the replay's recording, fits and notes: what a failed check needs
 
     def _repr_html_(self) -> str:
         return f"<pre>{self!r}</pre>"
@@ -1293,7 +1292,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if session is not None:
             session.close()
-    print(acc.replayed)
     print(acc)
     if a.json_path:
         Path(a.json_path).write_text(json.dumps({"args": vars(a), "median_abs_error": acc.median_abs_error,
