@@ -203,9 +203,9 @@ class Knobs:
     None: 1 (the synthetic decoder returns sequences)."""
     jitter: float | None = None
     """How much a real lane call's seconds vary around the cost model (the spread of the log of
-    real / modelled seconds as a standard deviation, `fit_jitter` on calibrate_lanes' run, robust to a stall); the replay then runs each
-    schedule `samples` times with every call's seconds drawn around the model's (SimDispatch) and
-    pools them. None: 0, one deterministic replay."""
+    real / modelled seconds as a standard deviation, robust to a stall: `fit_jitter` on
+    calibrate_lanes' run); the replay then runs each schedule `samples` times with every call's
+    seconds drawn around the model's (SimDispatch) and pools them. None: 0, one deterministic replay."""
     decode_s: float | None = None
     prompt_tokens: float | None = None
 
@@ -336,12 +336,13 @@ def fit_contention(rec: "LaneRecording", busy: dict[str, list[tuple[float, float
     one call stalled by something else on the machine is not contention. (A fresh-clone CI
     predicted the synthetic DAG's one_step_off 18 % under, its trainer waiting 20 % of each update
     against 1.5 % real; f = 1.3 reproduces that on a recording of this machine, where the fit
-    gives 1.02, and least squares gives f = 1.8 from one call of sixteen stalled 1 s: a test.) (Fitted per lane from ten updates, the generation lane's f swung from 1.0
-    to 1.8 between two vLLM runs; pooled it stays within 1.00-1.10; tried per lane again on
-    2026-12-07, it passed the real-engine benchmarks no better and failed the synthetic real-run
-    test in a fresh-clone CI: 25 % under, the trainer predicted idle 28 % of its updates against
-    2 % real; benchmarks/results/schedule_replay_history.md). 1.0 where nothing overlapped
-    or nothing slowed down."""
+    gives 1.02, and least squares gives f = 1.8 from one call of sixteen stalled 1 s: a test.)
+    (Fitted per lane from ten updates, the generation lane's f swung from 1.0 to 1.8 between two
+    vLLM runs; pooled it stays within 1.00-1.10; tried per lane again on 2026-12-07, it passed
+    the real-engine benchmarks no better and failed the synthetic real-run test in a fresh-clone
+    CI: 25 % under, the trainer predicted idle 28 % of its updates against 2 % real;
+    benchmarks/results/schedule_replay_history.md). 1.0 where nothing overlapped or nothing
+    slowed down."""
     x, d, s = _lane_calls(rec, busy, skip)
     ok = x > 0
     c = float(np.clip(_weighted_median((d - s)[ok] / x[ok], x[ok]), 0.0, 0.9)) if ok.any() else 0.0  # 1 - 1/f
