@@ -345,15 +345,11 @@ def fit_contention(rec: "LaneRecording", busy: dict[str, list[tuple[float, float
     slowed down."""
     x, d, s = _lane_calls(rec, busy, skip)
     ok = x > 0
-    c = float(np.clip(_weighted_median((d - s)[ok] / x[ok], x[ok]), 0.0, 0.9)) if ok.any() else 0.0  # 1 - 1/f
+    if not ok.any():
+        return 1.0, 1.0
+    # the weighted median (the lower value on a tie): 1 - 1/f, f in [1, 10]
+    c = float(np.clip(np.quantile((d - s)[ok] / x[ok], 0.5, weights=x[ok], method="inverted_cdf"), 0.0, 0.9))
     return 1.0 / (1.0 - c), 1.0 / (1.0 - c)
-
-
-def _weighted_median(v: np.ndarray, w: np.ndarray) -> float:
-    """The value below which half the weight lies (the lower one on a tie)."""
-    order = np.argsort(v)
-    cum = np.cumsum(w[order])
-    return float(v[order][np.searchsorted(cum, 0.5 * cum[-1])])
 
 
 def fit_jitter(rec: "LaneRecording", busy: dict[str, list[tuple[float, float]]], skip: int,
